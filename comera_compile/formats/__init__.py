@@ -1,0 +1,44 @@
+"""Pure tensor math for TT formats: modes, ranks, TT/TTM-SVD, reconstruction, counts."""
+
+from .counts import (
+    core_params,
+    dense_linear_macs,
+    tt_linear_macs,
+    tt_linear_params,
+    ttm_linear_macs,
+    ttm_params,
+)
+from .factorize import (
+    Factorization,
+    choose_order,
+    clip_ranks,
+    factorize,
+    tt_linear_modes,
+    ttm_modes,
+)
+from .tt import merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
+from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
+
+__all__ = [
+    "Factorization",
+    "choose_order",
+    "clip_ranks",
+    "core_params",
+    "dense_linear_macs",
+    "factorize",
+    "merge_cores",
+    "tt_linear_macs",
+    "tt_linear_modes",
+    "tt_linear_params",
+    "tt_random_cores",
+    "tt_svd",
+    "tt_svd_with_error",
+    "tt_to_dense",
+    "ttm_linear_macs",
+    "ttm_modes",
+    "ttm_params",
+    "ttm_random_cores",
+    "ttm_svd",
+    "ttm_svd_with_error",
+    "ttm_to_dense",
+]

@@ -1,0 +1,70 @@
+"""Sequential truncated SVD of a tensor into a chain of 3-way cores (Oseledets' TT-SVD).
+
+Shared by the TT-linear and TTM formats, which only differ in how the matrix is
+reshaped into a tensor before this runs and how the cores are reshaped afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._checks import as_rank_list
+
+_SVD_UNSUPPORTED = (torch.float16, torch.bfloat16)
+
+
+def chain_svd(
+    tensor: Tensor,
+    dims: Sequence[int],
+    max_rank: int | Sequence[int] | None = None,
+    tolerance: float | None = None,
+) -> tuple[list[Tensor], float]:
+    """Cores ``(r_{k-1}, dims[k], r_k)`` of ``tensor`` and the discarded Frobenius mass.
+
+    Each bond keeps min(max_rank_k, smallest rank whose discarded tail is <= delta) with
+    delta = tolerance * ||tensor||_F / sqrt(L - 1), so the total relative error is at most
+    ``tolerance``. The returned error is sqrt(sum of all discarded squared singular
+    values), which bounds (and in exact arithmetic equals) the reconstruction error.
+    Runs without autograd; half precision is computed in float32 and cast back.
+    """
+    dims = [int(d) for d in dims]
+    num = len(dims)
+    if tensor.numel() != math.prod(dims):
+        raise ValueError(
+            f"tensor has {tensor.numel()} entries but dims {dims} need {math.prod(dims)}"
+        )
+    caps = as_rank_list(max_rank, num - 1, "max_rank") if max_rank is not None else None
+    if tolerance is not None and tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0 (relative Frobenius error), got {tolerance!r}")
+    out_dtype = tensor.dtype
+    with torch.no_grad():
+        work = tensor.detach()
+        if work.dtype in _SVD_UNSUPPORTED or not work.is_floating_point():
+            work = work.to(torch.float32)
+        delta = None
+        if tolerance is not None and num > 1:
+            delta = tolerance * float(torch.linalg.vector_norm(work)) / math.sqrt(num - 1)
+        cores: list[Tensor] = []
+        discarded_sq = 0.0
+        rest = work.reshape(1, -1)
+        r_prev = 1
+        for k in range(num - 1):
+            rest = rest.reshape(r_prev * dims[k], -1)
+            u, s, vh = torch.linalg.svd(rest, full_matrices=False)
+            rank = s.numel()
+            if delta is not None:
+                # tail[i] = sqrt(sum_{j >= i} s_j^2): keep the fewest values with tail <= delta.
+                tail = torch.flip(torch.cumsum(torch.flip(s.double() ** 2, [0]), 0), [0]).sqrt()
+                rank = max(1, int((tail > delta).sum()))
+            if caps is not None:
+                rank = min(rank, caps[k])
+            discarded_sq += float((s[rank:].double() ** 2).sum())
+            cores.append(u[:, :rank].reshape(r_prev, dims[k], rank).to(out_dtype))
+            rest = s[:rank, None] * vh[:rank]
+            r_prev = rank
+        cores.append(rest.reshape(r_prev, dims[-1], 1).to(out_dtype))
+    return cores, math.sqrt(discarded_sq)

@@ -1,0 +1,191 @@
+"""Choose tensor modes and ranks: split sizes into balanced factors, padding when needed.
+
+Balanced modes keep every core small; sizes that factor badly (primes, 30522) are padded
+up to a nearby smooth size instead of producing a huge mode or a useless mode of 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ._checks import as_int, as_rank_list, prod
+
+# A factorization is "good" if no factor exceeds this multiple of size**(1/order).
+_MAX_FACTOR_RATIO = 2.0
+# choose_order aims at modes of about this size.
+_TARGET_MODE = 12.0
+
+
+@dataclass(frozen=True)
+class Factorization:
+    """Modes whose product covers ``size``; ``padding`` extra rows/cols pad it exactly."""
+
+    size: int
+    modes: tuple[int, ...]
+
+    @property
+    def padded(self) -> int:
+        """Product of the modes (the padded size)."""
+        return prod(self.modes)
+
+    @property
+    def padding(self) -> int:
+        """How many entries the padded size adds to ``size``."""
+        return self.padded - self.size
+
+    @property
+    def order(self) -> int:
+        """Number of modes."""
+        return len(self.modes)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _tuples(n: int, order: int, lo: int, divs: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    """All nondecreasing tuples of ``order`` divisors >= lo whose product is ``n``."""
+    if order == 1:
+        if n >= lo:
+            yield (n,)
+        return
+    for d in divs:
+        if d < lo:
+            continue
+        if d**order > n:
+            break
+        if n % d == 0:
+            for rest in _tuples(n // d, order - 1, d, divs):
+                yield (d, *rest)
+
+
+def _balance_key(modes: tuple[int, ...], n: int) -> tuple[int, int, float, tuple[int, ...]]:
+    # Smallest max factor, then largest min factor (smallest max/min), then spread.
+    log_root = math.log(n) / len(modes)
+    spread = sum((math.log(m) - log_root) ** 2 for m in modes)
+    return (max(modes), -min(modes), round(spread, 12), modes)
+
+
+@lru_cache(maxsize=4096)
+def _balanced(n: int, order: int) -> tuple[int, ...]:
+    """Most balanced exact factorization of ``n`` into ``order`` factors, ascending."""
+    divs = _divisors(n)
+    return min(_tuples(n, order, 1, divs), key=lambda t: _balance_key(t, n))
+
+
+def _is_good(modes: tuple[int, ...], n: int) -> bool:
+    order = len(modes)
+    if order == 1:
+        return True
+    return min(modes) > 1 and max(modes) <= _MAX_FACTOR_RATIO * n ** (1.0 / order)
+
+
+def _is_smooth(n: int, bound: float) -> bool:
+    """True if every prime factor of ``n`` is <= bound (cheap pre-filter for padding)."""
+    for p in range(2, int(bound) + 1):
+        while n % p == 0:
+            n //= p
+        if n == 1:
+            return True
+    return n == 1
+
+
+def factorize(size: int, order: int, max_padding: float = 0.1) -> Factorization:
+    """Split ``size`` into ``order`` balanced modes (ascending), padding up if it factors badly.
+
+    Tries ``size`` first, then each larger size up to ``size * (1 + max_padding)``; the
+    first whose most balanced factorization has no mode of 1 and no mode above twice the
+    balanced root wins. If none does, the best-balanced candidate in that range is used.
+    """
+    size = as_int(size, "size")
+    try:
+        order = as_int(order, "order")
+    except ValueError as exc:
+        raise ValueError(f"{exc}; use choose_order(size) for a default") from None
+    if max_padding < 0:
+        raise ValueError(f"max_padding must be >= 0 (a fraction of size), got {max_padding!r}")
+    if order == 1:
+        return Factorization(size, (size,))
+    if size == 1:
+        return Factorization(size, (1,) * order)
+    limit = max(size, math.floor(size * (1.0 + max_padding)))
+    for n in range(size, limit + 1):
+        if not _is_smooth(n, _MAX_FACTOR_RATIO * n ** (1.0 / order)):
+            continue
+        modes = _balanced(n, order)
+        if _is_good(modes, n):
+            return Factorization(size, modes)
+    # Nothing in range is good (tiny sizes, order too high): least unbalanced candidate.
+    best = min(
+        range(size, limit + 1),
+        key=lambda n: (_balanced(n, order)[-1] / _balanced(n, order)[0], n),
+    )
+    return Factorization(size, _balanced(best, order))
+
+
+def choose_order(size: int) -> int:
+    """Default number of modes: about log_12(size), so modes land near 8-16.
+
+    768 -> 3, 3072 -> 3, 32000 -> 4, 64 -> 2, sizes below 16 -> 1.
+    """
+    size = as_int(size, "size")
+    if size < 16:
+        return 1
+    return max(2, math.floor(math.log(size) / math.log(_TARGET_MODE) + 0.5))
+
+
+def _resolve_order(order: int | None, *sizes: int) -> int:
+    if order is None:
+        return max(choose_order(s) for s in sizes)
+    return as_int(order, "order (or None for automatic)")
+
+
+def tt_linear_modes(
+    in_features: int, out_features: int, order: int | None = None
+) -> tuple[Factorization, Factorization]:
+    """Modes for a TT-linear chain: input modes descending, output modes ascending.
+
+    The large modes sit at both ends of the chain, where ranks are clipped to the mode
+    size anyway, so the wide middle bonds meet the small modes. 768x768 -> [12,8,8],[8,8,12].
+    """
+    order = _resolve_order(order, in_features, out_features)
+    fin = factorize(in_features, order)
+    fout = factorize(out_features, order)
+    return (
+        Factorization(fin.size, tuple(sorted(fin.modes, reverse=True))),
+        Factorization(fout.size, tuple(sorted(fout.modes))),
+    )
+
+
+def ttm_modes(
+    rows: int, cols: int, order: int | None = None
+) -> tuple[Factorization, Factorization]:
+    """Row and column modes of a TTM of the same order (rows = vocab or out_features).
+
+    Rows are descending and columns ascending so each core's m_k * n_k is balanced.
+    """
+    order = _resolve_order(order, rows, cols)
+    frow = factorize(rows, order)
+    fcol = factorize(cols, order)
+    return (
+        Factorization(frow.size, tuple(sorted(frow.modes, reverse=True))),
+        Factorization(fcol.size, tuple(sorted(fcol.modes))),
+    )
+
+
+def clip_ranks(dims: Sequence[int], rank: int | Sequence[int]) -> list[int]:
+    """Full rank list ``[1, r_1, ..., r_{L-1}, 1]`` with each bond clipped to what it can hold.
+
+    Bond k can never usefully exceed prod(dims[:k]) or prod(dims[k:]) (the matricization
+    rank), so larger requests only waste parameters.
+    """
+    dims = [int(d) for d in dims]
+    if not dims or any(d < 1 for d in dims):
+        raise ValueError(f"dims must be a non-empty sequence of positive ints, got {dims!r}")
+    requested = as_rank_list(rank, len(dims) - 1)
+    inner = [min(r, prod(dims[:k]), prod(dims[k:])) for k, r in enumerate(requested, start=1)]
+    return [1, *inner, 1]

@@ -1,0 +1,132 @@
+"""TT-linear format: W (N_in x N_out) as a chain of cores, input modes first, then output.
+
+W[i_1..i_d, j_1..j_d'] = G_1[i_1] ... G_d[i_d] G_{d+1}[j_1] ... G_{d+d'}[j_d'], cores
+(r_{k-1}, n_k, r_k), indices mixed radix with the first mode most significant. W is
+nn.Linear's weight transposed, so y = x @ W.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._checks import as_modes, check_full_ranks
+from ._svd import chain_svd
+
+
+def _check_matrix(matrix: Tensor, in_modes: list[int], out_modes: list[int]) -> None:
+    n_in, n_out = math.prod(in_modes), math.prod(out_modes)
+    if matrix.dim() != 2 or tuple(matrix.shape) != (n_in, n_out):
+        raise ValueError(
+            f"matrix has shape {tuple(matrix.shape)} but in_modes {in_modes} x out_modes "
+            f"{out_modes} need ({n_in}, {n_out}); pass nn.Linear.weight.T and zero-pad it to "
+            "the padded sizes of the Factorizations"
+        )
+
+
+def tt_svd_with_error(
+    matrix: Tensor,
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    max_rank: int | Sequence[int] | None = None,
+    tolerance: float | None = None,
+) -> tuple[list[Tensor], float]:
+    """TT-SVD of ``matrix`` plus the absolute Frobenius error bound of the truncation."""
+    in_modes = as_modes(in_modes, "in_modes")
+    out_modes = as_modes(out_modes, "out_modes")
+    _check_matrix(matrix, in_modes, out_modes)
+    return chain_svd(matrix, in_modes + out_modes, max_rank, tolerance)
+
+
+def tt_svd(
+    matrix: Tensor,
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    max_rank: int | Sequence[int] | None = None,
+    tolerance: float | None = None,
+) -> list[Tensor]:
+    """TT-SVD (Oseledets): cores of ``matrix`` (N_in x N_out), truncated by rank and/or error.
+
+    ``max_rank`` is one int or the L-1 internal ranks; ``tolerance`` bounds the relative
+    Frobenius error. With neither, the decomposition is exact.
+    """
+    return tt_svd_with_error(matrix, in_modes, out_modes, max_rank, tolerance)[0]
+
+
+def merge_cores(cores: Sequence[Tensor]) -> Tensor:
+    """Contract a chain of 3-way cores into a matrix (r_0 * prod n_k) x r_L, left to right."""
+    acc = cores[0].reshape(-1, cores[0].shape[-1])
+    for core in cores[1:]:
+        r_prev, n, r_next = core.shape
+        acc = (acc @ core.reshape(r_prev, n * r_next)).reshape(-1, r_next)
+    return acc
+
+
+def _check_cores(cores: Sequence[Tensor], modes: list[int]) -> None:
+    if len(cores) != len(modes):
+        raise ValueError(f"got {len(cores)} cores for {len(modes)} modes {modes}")
+    r_prev = 1
+    for k, (core, n) in enumerate(zip(cores, modes)):
+        if core.dim() != 3 or core.shape[0] != r_prev or core.shape[1] != n:
+            raise ValueError(
+                f"core {k} has shape {tuple(core.shape)}; expected ({r_prev}, {n}, r_{k + 1})"
+            )
+        r_prev = core.shape[2]
+    if r_prev != 1:
+        raise ValueError(f"last core must end with rank 1, got {r_prev}")
+
+
+def tt_to_dense(
+    cores: Sequence[Tensor], in_modes: Sequence[int], out_modes: Sequence[int]
+) -> Tensor:
+    """Rebuild W (N_in x N_out) as L @ R, L = merged input cores, R = merged output cores."""
+    in_modes = as_modes(in_modes, "in_modes")
+    out_modes = as_modes(out_modes, "out_modes")
+    _check_cores(cores, in_modes + out_modes)
+    d = len(in_modes)
+    left = merge_cores(cores[:d])  # (N_in, r_d)
+    right = merge_cores(cores[d:])  # (r_d * N_out, 1)
+    return left @ right.reshape(left.shape[1], -1)
+
+
+def random_chain_cores(
+    shapes: Sequence[Sequence[int]],
+    sigma: float,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Tensor]:
+    """Gaussian cores (last dim = right bond) whose chain product has entry variance sigma^2.
+
+    var(W_ij) = prod_k v_k * prod_k r_k (sum over all internal index paths), so v_k =
+    sigma^(2/L) / r_k with r_k the right bond of core k (r_L = 1) gives exactly sigma^2.
+    """
+    if sigma < 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma!r}")
+    num = len(shapes)
+    scale = sigma ** (1.0 / num)
+    cores = []
+    for shape in shapes:
+        std = scale / math.sqrt(shape[-1])
+        core = torch.randn(tuple(shape), dtype=dtype, device=device, generator=generator)
+        cores.append(core * std)
+    return cores
+
+
+def tt_random_cores(
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    ranks: Sequence[int],
+    sigma: float,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Tensor]:
+    """Random TT-linear cores with var(W_ij) = sigma^2 (core k std sigma^(1/L)/sqrt(r_k))."""
+    modes = as_modes(in_modes, "in_modes") + as_modes(out_modes, "out_modes")
+    ranks = check_full_ranks(ranks, len(modes))
+    shapes = [(ranks[k], n, ranks[k + 1]) for k, n in enumerate(modes)]
+    return random_chain_cores(shapes, sigma, dtype, device, generator)

@@ -1,0 +1,107 @@
+"""TTM (tensor-train matrix) format: cores (r_{k-1}, m_k, n_k, r_k), one per mode pair.
+
+M[i_1..i_d, j_1..j_d] = G_1[i_1, j_1] ... G_d[i_d, j_d] with rows = prod m_k and
+cols = prod n_k, indices mixed radix (first mode most significant). Used for
+embedding tables (rows = vocab) and for linear layers (rows = out_features).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._checks import as_modes, check_full_ranks
+from ._svd import chain_svd
+from .tt import random_chain_cores
+
+
+def _check_pair(row_modes: Sequence[int], col_modes: Sequence[int]) -> tuple[list[int], list[int]]:
+    rows = as_modes(row_modes, "row_modes")
+    cols = as_modes(col_modes, "col_modes")
+    if len(rows) != len(cols):
+        raise ValueError(
+            f"TTM needs as many row modes as col modes, got {rows} and {cols}; "
+            "use ttm_modes(rows, cols) to pick both with one order"
+        )
+    return rows, cols
+
+
+def ttm_svd_with_error(
+    matrix: Tensor,
+    row_modes: Sequence[int],
+    col_modes: Sequence[int],
+    max_rank: int | Sequence[int] | None = None,
+    tolerance: float | None = None,
+) -> tuple[list[Tensor], float]:
+    """TTM-SVD of ``matrix`` plus the absolute Frobenius error bound of the truncation."""
+    rows, cols = _check_pair(row_modes, col_modes)
+    n_rows, n_cols = math.prod(rows), math.prod(cols)
+    if matrix.dim() != 2 or tuple(matrix.shape) != (n_rows, n_cols):
+        raise ValueError(
+            f"matrix has shape {tuple(matrix.shape)} but row_modes {rows} x col_modes {cols} "
+            f"need ({n_rows}, {n_cols}); zero-pad it to the padded sizes of the Factorizations"
+        )
+    d = len(rows)
+    # (m_1..m_d, n_1..n_d) -> (m_1, n_1, m_2, n_2, ...): each core owns one (m_k, n_k) pair.
+    perm = [i for k in range(d) for i in (k, d + k)]
+    tensor = matrix.reshape(*rows, *cols).permute(perm)
+    cores, err = chain_svd(tensor, [m * n for m, n in zip(rows, cols)], max_rank, tolerance)
+    shaped = [c.reshape(c.shape[0], m, n, c.shape[2]) for c, m, n in zip(cores, rows, cols)]
+    return shaped, err
+
+
+def ttm_svd(
+    matrix: Tensor,
+    row_modes: Sequence[int],
+    col_modes: Sequence[int],
+    max_rank: int | Sequence[int] | None = None,
+    tolerance: float | None = None,
+) -> list[Tensor]:
+    """TTM cores of ``matrix`` (rows x cols), truncated by rank and/or relative error."""
+    return ttm_svd_with_error(matrix, row_modes, col_modes, max_rank, tolerance)[0]
+
+
+def ttm_to_dense(
+    cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int]
+) -> Tensor:
+    """Rebuild the (rows x cols) matrix by contracting the cores pairwise, left to right."""
+    rows, cols = _check_pair(row_modes, col_modes)
+    if len(cores) != len(rows):
+        raise ValueError(f"got {len(cores)} cores for {len(rows)} mode pairs")
+    r_prev = 1
+    for k, (core, m, n) in enumerate(zip(cores, rows, cols)):
+        if core.dim() != 4 or tuple(core.shape[:3]) != (r_prev, m, n):
+            raise ValueError(
+                f"core {k} has shape {tuple(core.shape)}; expected ({r_prev}, {m}, {n}, r_{k + 1})"
+            )
+        r_prev = core.shape[3]
+    if r_prev != 1:
+        raise ValueError(f"last core must end with rank 1, got {r_prev}")
+    acc = cores[0].reshape(cores[0].shape[1:])  # (M, N, r)
+    for core in cores[1:]:
+        big_m, big_n, r = acc.shape
+        _, m, n, r_next = core.shape
+        acc = (acc.reshape(big_m * big_n, r) @ core.reshape(r, m * n * r_next)).reshape(
+            big_m, big_n, m, n, r_next
+        )
+        acc = acc.permute(0, 2, 1, 3, 4).reshape(big_m * m, big_n * n, r_next)
+    return acc.reshape(acc.shape[0], acc.shape[1])
+
+
+def ttm_random_cores(
+    row_modes: Sequence[int],
+    col_modes: Sequence[int],
+    ranks: Sequence[int],
+    sigma: float,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> list[Tensor]:
+    """Random TTM cores with entry variance sigma^2 (core k std sigma^(1/d)/sqrt(r_k))."""
+    rows, cols = _check_pair(row_modes, col_modes)
+    ranks = check_full_ranks(ranks, len(rows))
+    shapes = [(ranks[k], m, n, ranks[k + 1]) for k, (m, n) in enumerate(zip(rows, cols))]
+    return random_chain_cores(shapes, sigma, dtype, device, generator)

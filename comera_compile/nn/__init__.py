@@ -1,0 +1,17 @@
+"""Tensorized layers: cores + rank gates, forward through a planned contraction."""
+
+from comera_compile.nn.base import LayoutMismatchError, PruneResult, TensorizedLayer
+from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.tt_embedding import TTEmbedding
+from comera_compile.nn.tt_linear import TTLinear
+from comera_compile.nn.ttm_linear import TTMLinear
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "LayoutMismatchError",
+    "PruneResult",
+    "TTEmbedding",
+    "TTLinear",
+    "TTMLinear",
+    "TensorizedLayer",
+]

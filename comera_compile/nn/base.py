@@ -1,0 +1,194 @@
+"""What every tensorized layer shares: a chain of cores, rank gates, pruning and layouts.
+
+A layer is a chain of cores ``G_1 .. G_L`` whose first and last axes are rank bonds
+(``r_0 = r_L = 1``), with a gate vector on each of the ``L - 1`` internal bonds. The
+subclasses only say how the chain is laid out (TT, TTM) and how the input meets it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from comera_compile.nn.gates import DEFAULT_THRESHOLD, alive, fold_gates
+
+
+class LayoutMismatchError(ValueError):
+    """A state dict was saved from a layer whose modes (not just ranks) differ."""
+
+
+@dataclass
+class PruneResult:
+    """What ``prune_ranks`` removed.
+
+    ``slices`` lists ``(parameter, dim, kept_indices)`` in the order they were applied, so
+    an optimizer's per-parameter state (AdamW moments) can be sliced the same way.
+    """
+
+    removed: list[int]
+    params_before: int
+    params_after: int
+    slices: list[tuple[nn.Parameter, int, Tensor]] = field(default_factory=list, repr=False)
+
+    @property
+    def total_removed(self) -> int:
+        return sum(self.removed)
+
+    def __bool__(self) -> bool:
+        return self.total_removed > 0
+
+
+def _slice_parameter(param: nn.Parameter, dim: int, index: Tensor) -> None:
+    """Shrink a parameter in place, keeping its identity (optimizers hold the object)."""
+    param.data = param.data.index_select(dim, index).contiguous()
+    if param.grad is not None:
+        param.grad = param.grad.index_select(dim, index).contiguous()
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class TensorizedLayer(nn.Module):
+    """Base class: cores + rank gates + pruning + a state dict that carries the layout."""
+
+    format: str = ""
+
+    def __init__(self, cores: list[Tensor], threshold: float = DEFAULT_THRESHOLD) -> None:
+        super().__init__()
+        if not 0 <= threshold < 1:
+            raise ValueError(f"threshold must be in [0, 1), got {threshold}")
+        self.threshold = float(threshold)
+        self.cores = nn.ParameterList(nn.Parameter(c) for c in cores)
+        self.gates = nn.ParameterList(
+            nn.Parameter(torch.ones(c.shape[-1], dtype=c.dtype, device=c.device))
+            for c in cores[:-1]
+        )
+        self.objective = "combo"
+        self._plans: dict[Any, Any] = {}
+
+    # ----- shape of the chain -------------------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        """Stored ranks ``[1, r_1, ..., r_{L-1}, 1]`` (shrink only through ``prune_ranks``)."""
+        return [1] + [int(c.shape[-1]) for c in self.cores[:-1]] + [1]
+
+    def effective_ranks(self) -> list[int]:
+        """Ranks counting only gate entries above the threshold, ``[1, ..., 1]`` included."""
+        return [1] + [int(alive(g, self.threshold).sum()) for g in self.gates] + [1]
+
+    def core_shape(self, k: int, ranks: list[int]) -> tuple[int, ...]:
+        """Shape of core ``k`` for the given rank list (physical axes sit between the bonds)."""
+        return (ranks[k], *self.core_physical_shapes()[k], ranks[k + 1])
+
+    def core_physical_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(int(s) for s in c.shape[1:-1]) for c in self.cores]
+
+    def num_core_parameters(self, ranks: list[int] | None = None) -> int:
+        ranks = self.ranks if ranks is None else ranks
+        return sum(math.prod(self.core_shape(k, ranks)) for k in range(len(self.cores)))
+
+    @property
+    def dense_parameters(self) -> int:
+        """Parameters of the dense weight this layer replaces (bias excluded)."""
+        raise NotImplementedError
+
+    def compression_ratio(self) -> float:
+        """Dense weight size over the core size at the effective ranks (gates excluded)."""
+        return self.dense_parameters / self.num_core_parameters(self.effective_ranks())
+
+    def gated_cores(self) -> list[Tensor]:
+        """Cores with the (thresholded) gates folded into their right bonds."""
+        return fold_gates(list(self.cores), list(self.gates), self.threshold)
+
+    # ----- pruning ------------------------------------------------------------------------
+    @torch.no_grad()
+    def prune_ranks(self) -> PruneResult:
+        """Remove dead rank channels from cores and gates for real; outputs do not change.
+
+        Parameters keep their identity (only ``.data`` shrinks), so optimizers still hold
+        them; use ``PruneResult.slices`` to slice their state the same way.
+        """
+        before = self.num_core_parameters()
+        removed, slices = [], []
+        for k, gate in enumerate(self.gates):
+            keep = alive(gate, self.threshold)
+            if bool(keep.all()):
+                removed.append(0)
+                continue
+            if not bool(keep.any()):  # keep one channel so the chain stays a valid matrix
+                keep[gate.detach().abs().argmax()] = True
+            index = keep.nonzero().flatten()
+            removed.append(int(gate.numel() - index.numel()))
+            left, right = self.cores[k], self.cores[k + 1]
+            for param, dim in ((left, left.dim() - 1), (right, 0), (gate, 0)):
+                _slice_parameter(param, dim, index)
+                slices.append((param, dim, index))
+        if any(removed):
+            self.invalidate_plans()
+        return PruneResult(removed, before, self.num_core_parameters(), slices)
+
+    @torch.no_grad()
+    def _set_cores(self, cores: list[Tensor]) -> None:
+        """Adopt new cores (from an SVD, say): ranks follow their shapes, gates reset to ones."""
+        if len(cores) != len(self.cores):
+            raise ValueError(f"expected {len(self.cores)} cores, got {len(cores)}")
+        for param, core in zip(self.cores, cores):
+            param.data = core.detach().to(param.dtype).contiguous()
+        for k, gate in enumerate(self.gates):
+            gate.data = gate.data.new_ones(cores[k].shape[-1])
+        self.invalidate_plans()
+
+    def invalidate_plans(self) -> None:
+        """Forget cached contraction plans (ranks changed, so the best order may too)."""
+        self._plans.clear()
+
+    # ----- state dict carries the layout --------------------------------------------------
+    def layout(self) -> dict[str, Any]:
+        """What defines the layer's shape; saved with the weights."""
+        return {"format": self.format, "ranks": self.ranks, "threshold": self.threshold}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return self.layout()
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.threshold = float(state.get("threshold", self.threshold))
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        saved = state_dict.get(prefix + "_extra_state")
+        if saved is not None:
+            self._adopt_layout(saved)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+
+    def _adopt_layout(self, saved: dict[str, Any]) -> None:
+        """Resize cores and gates to a saved rank layout; refuse a different shape family."""
+        mine = self.layout()
+        fixed = {k: v for k, v in mine.items() if k not in ("ranks", "threshold")}
+        theirs = {k: saved.get(k) for k in fixed}
+        if fixed != theirs:
+            raise LayoutMismatchError(
+                f"checkpoint layout {saved} does not fit this layer's layout {mine}; "
+                "build the layer with the same modes (or load with comera_compile.load, "
+                "which rebuilds layers from the checkpoint)"
+            )
+        ranks = list(saved["ranks"])
+        if ranks == self.ranks:
+            return
+        if len(ranks) != len(self.ranks):
+            raise LayoutMismatchError(f"checkpoint ranks {ranks} vs layer ranks {self.ranks}")
+        for k, core in enumerate(self.cores):
+            core.data = core.data.new_empty(self.core_shape(k, ranks))
+        for k, gate in enumerate(self.gates):
+            gate.data = gate.data.new_empty(ranks[k + 1])
+        self.invalidate_plans()
+
+    def extra_repr(self) -> str:
+        return f"ranks={self.ranks}, effective={self.effective_ranks()}"

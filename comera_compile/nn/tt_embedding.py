@@ -1,0 +1,184 @@
+"""TTEmbedding: an embedding table (or bag) stored as a TTM chain, looked up without the table.
+
+Cores are ``(r_{k-1}, m_k, n_k, r_k)`` with ``m`` the vocabulary modes and ``n`` the
+embedding-dim modes. A lookup splits each id into mode indices, gathers only the needed
+slices of two pre-merged halves of the chain and contracts them per row (the planner picks
+the split for the number of ids). Ids are de-duplicated first so each distinct row is built
+once, then scattered back; bag pooling reuses ``F.embedding_bag`` on those rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from comera_compile.formats import ttm_modes, ttm_random_cores, ttm_svd, ttm_to_dense
+from comera_compile.nn._checks import full_ranks, modes_cover, positive_int
+from comera_compile.nn.base import TensorizedLayer, next_power_of_two
+from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.tt_linear import _padded
+
+_BAG_MODES = (None, "sum", "mean", "max")
+
+
+class TTEmbedding(TensorizedLayer):
+    """``nn.Embedding`` (or, with ``mode=``, ``nn.EmbeddingBag``) replacement in TTM format."""
+
+    format = "tt_embedding"
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        ranks: int | Sequence[int] = 32,
+        padding_idx: int | None = None,
+        mode: str | None = None,
+        row_modes: Sequence[int] | None = None,
+        col_modes: Sequence[int] | None = None,
+        order: int | None = None,
+        dedup: bool = True,
+        threshold: float = DEFAULT_THRESHOLD,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        num_embeddings = positive_int("num_embeddings", num_embeddings)
+        embedding_dim = positive_int("embedding_dim", embedding_dim)
+        if mode not in _BAG_MODES:
+            raise ValueError(f"mode must be one of {_BAG_MODES}, got {mode!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx {padding_idx} is outside [0, {num_embeddings})")
+            padding_idx %= num_embeddings
+        if order is None and (row_modes is not None or col_modes is not None):
+            order = len(row_modes if row_modes is not None else col_modes)
+        auto_rows, auto_cols = ttm_modes(num_embeddings, embedding_dim, order)
+        row_modes = modes_cover("row_modes", row_modes or auto_rows.modes, num_embeddings)
+        col_modes = modes_cover("col_modes", col_modes or auto_cols.modes, embedding_dim)
+        if len(row_modes) != len(col_modes):
+            raise ValueError(f"row_modes {row_modes} and col_modes {col_modes} differ in length")
+        rank_list = full_ranks([m * n for m, n in zip(row_modes, col_modes)], ranks)
+        # nn.Embedding draws N(0, 1): unit variance per entry.
+        cores = ttm_random_cores(row_modes, col_modes, rank_list, 1.0, dtype=dtype, device=device)
+        super().__init__(cores, threshold)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.row_modes, self.col_modes = row_modes, col_modes
+        self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
+
+    @property
+    def dense_parameters(self) -> int:
+        return self.num_embeddings * self.embedding_dim
+
+    def layout(self) -> dict:
+        return {
+            **super().layout(),
+            "num_embeddings": self.num_embeddings,
+            "embedding_dim": self.embedding_dim,
+            "row_modes": list(self.row_modes),
+            "col_modes": list(self.col_modes),
+        }
+
+    def plan_for(self, rows: int):
+        """The cached lookup plan (which bond to split the chain at) for this many ids."""
+        key = next_power_of_two(rows)
+        plan = self._plans.get(key)
+        if plan is None:
+            from comera_compile.planner import embedding_plan
+
+            plan = embedding_plan(self.row_modes, self.col_modes, self.ranks, key)
+            self._plans[key] = plan
+        return plan
+
+    def lookup(self, ids: Tensor) -> Tensor:
+        """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table."""
+        rows = self.plan_for(ids.numel()).lookup(ids, self.gated_cores())
+        return rows[:, : self.embedding_dim]
+
+    def forward(
+        self,
+        input: Tensor,
+        offsets: Tensor | None = None,
+        per_sample_weights: Tensor | None = None,
+    ) -> Tensor:
+        if input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"TTEmbedding expects integer ids, got {input.dtype}")
+        if self.mode is None and (offsets is not None or per_sample_weights is not None):
+            raise ValueError("offsets / per_sample_weights need a bag layer (mode='sum'|'mean')")
+        flat = input.reshape(-1).long()
+        eager = not torch.compiler.is_compiling() and not _capturing()
+        if eager and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"ids must lie in [0, {self.num_embeddings}), got [{int(flat.min())}, "
+                f"{int(flat.max())}]"
+            )
+        if self.dedup and eager:
+            ids, index = torch.unique(flat, return_inverse=True)
+        else:
+            ids, index = flat, torch.arange(flat.numel(), device=flat.device)
+        table = self.lookup(ids)
+        padding = None
+        if self.padding_idx is not None:  # point padding positions at an extra zero row
+            padding = table.shape[0]
+            table = torch.cat([table, table.new_zeros(1, self.embedding_dim)])
+            index = torch.where(flat == self.padding_idx, padding, index)
+        if self.mode is None:
+            return F.embedding(index, table).reshape(*input.shape, self.embedding_dim)
+        return F.embedding_bag(
+            index.reshape(input.shape),
+            table,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            padding_idx=padding,
+        )
+
+    def to_dense(self) -> Tensor:
+        """The ``(num_embeddings, embedding_dim)`` table (for export and tests only)."""
+        full = ttm_to_dense(self.gated_cores(), self.row_modes, self.col_modes)
+        table = full[: self.num_embeddings, : self.embedding_dim]
+        if self.padding_idx is not None:
+            table = table.clone()
+            table[self.padding_idx] = 0
+        return table
+
+    @classmethod
+    def from_dense(
+        cls,
+        module: nn.Embedding | nn.EmbeddingBag,
+        ranks: int | Sequence[int] | None = None,
+        tolerance: float | None = None,
+        **kwargs,
+    ) -> TTEmbedding:
+        """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``)."""
+        mode = module.mode if isinstance(module, nn.EmbeddingBag) else None
+        layer = cls(
+            module.num_embeddings,
+            module.embedding_dim,
+            ranks=1,
+            padding_idx=module.padding_idx,
+            mode=mode,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+            **kwargs,
+        )
+        rows, cols = layer.padded_shape
+        table = _padded(module.weight.detach(), rows, cols)
+        cores = ttm_svd(table, layer.row_modes, layer.col_modes, max_rank=ranks, tolerance=tolerance)
+        layer._set_cores(cores)
+        return layer
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        return math.prod(self.row_modes), math.prod(self.col_modes)
+
+    def extra_repr(self) -> str:
+        bag = f", mode={self.mode!r}" if self.mode else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
+
+
+def _capturing() -> bool:
+    """True inside CUDA Graph capture, where host syncs (data-dependent shapes) are illegal."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

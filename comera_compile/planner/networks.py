@@ -1,0 +1,99 @@
+"""The networks of each layer kind (TT linear, TTM linear), with boundary ranks squeezed.
+
+The layer hands the planner its cores already gate-scaled, so the network is only ``x`` and
+the cores; its batch index is always ``b`` (the rows the layer sees).
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+
+from .network import BATCH, Network
+
+_LETTERS = [c for c in string.ascii_lowercase + string.ascii_uppercase if c != BATCH]
+
+
+def _letters(count: int) -> list[str]:
+    if count > len(_LETTERS):
+        raise ValueError(f"a network with {count} indices exceeds the {len(_LETTERS)} letters")
+    return _LETTERS[:count]
+
+
+def _positive(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(int(v) for v in values)
+    if not out or any(v < 1 for v in out):
+        raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {values!r}")
+    return out
+
+
+def internal_ranks(ranks: int | Sequence[int], cores: int) -> tuple[int, ...]:
+    """The ``cores - 1`` bond ranks from an int, the internal ranks, or ``[1, r.., 1]``."""
+    if isinstance(ranks, int):
+        out = (ranks,) * (cores - 1)
+    else:
+        full = tuple(int(r) for r in ranks)
+        if len(full) == cores + 1:
+            if full[0] != 1 or full[-1] != 1:
+                raise ValueError(f"boundary ranks must be 1, got {list(full)}")
+            out = full[1:-1]
+        elif len(full) == cores - 1:
+            out = full
+        else:
+            raise ValueError(
+                f"{cores} cores need {cores - 1} internal ranks or {cores + 1} with the "
+                f"boundary 1s, got {len(full)}: {list(full)}"
+            )
+    if any(r < 1 for r in out):
+        raise ValueError(f"ranks must be positive, got {list(out)}")
+    return out
+
+
+def _chain_terms(physical: list[str], bonds: list[str]) -> list[str]:
+    """Core index strings ``(r_{k-1}, phys.., r_k)`` with the boundary bonds dropped."""
+    terms = []
+    for k, phys in enumerate(physical):
+        left = bonds[k - 1] if k > 0 else ""
+        right = bonds[k] if k < len(bonds) else ""
+        terms.append(left + phys + right)
+    return terms
+
+
+def _build(kind, x_term, cores, output, sizes) -> Network:
+    names = ("x", *(f"G{k + 1}" for k in range(len(cores))))
+    return Network(kind, (x_term, *cores), output, tuple(sorted(sizes.items())), names)
+
+
+def tt_linear_network(
+    in_modes: Sequence[int], out_modes: Sequence[int], ranks: int | Sequence[int], rows: int
+) -> Network:
+    """``y[b, m..] = x[b, n..] * G1[n1, r1] G2[r1, n2, r2] ... G_L[r, m_last]`` (TT linear).
+
+    Cores run input modes first, then output modes (REFERENCE); ``d != d'`` is allowed.
+    """
+    n = _positive("in_modes", in_modes)
+    m = _positive("out_modes", out_modes)
+    cores = len(n) + len(m)
+    r = internal_ranks(ranks, cores)
+    letters = _letters(2 * cores - 1)
+    n_ix, m_ix, r_ix = letters[: len(n)], letters[len(n): cores], letters[cores:]
+    sizes = {BATCH: int(rows), **dict(zip(n_ix, n)), **dict(zip(m_ix, m)), **dict(zip(r_ix, r))}
+    terms = _chain_terms(n_ix + m_ix, r_ix)
+    return _build("tt_linear", BATCH + "".join(n_ix), terms, BATCH + "".join(m_ix), sizes)
+
+
+def ttm_linear_network(
+    in_modes: Sequence[int], out_modes: Sequence[int], ranks: int | Sequence[int], rows: int
+) -> Network:
+    """``y[b, m..] = x[b, n..] * G1[m1, n1, r1] ... G_d[r, m_d, n_d]`` (TTM, weight (out, in))."""
+    n = _positive("in_modes", in_modes)
+    m = _positive("out_modes", out_modes)
+    if len(n) != len(m):
+        raise ValueError(f"TTM needs as many in modes as out modes, got {list(n)} / {list(m)}")
+    d = len(n)
+    r = internal_ranks(ranks, d)
+    letters = _letters(3 * d - 1)
+    n_ix, m_ix, r_ix = letters[:d], letters[d: 2 * d], letters[2 * d:]
+    sizes = {BATCH: int(rows), **dict(zip(n_ix, n)), **dict(zip(m_ix, m)), **dict(zip(r_ix, r))}
+    terms = _chain_terms([mi + ni for mi, ni in zip(m_ix, n_ix)], r_ix)
+    return _build("ttm_linear", BATCH + "".join(n_ix), terms, BATCH + "".join(m_ix), sizes)

@@ -1,0 +1,199 @@
+"""TTLinear / TTMLinear / TTEmbedding: exactness against their dense form, gradients, gates,
+pruning and state dicts."""
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from comera_compile.nn import LayoutMismatchError, TTEmbedding, TTLinear, TTMLinear
+
+torch.manual_seed(0)
+
+LINEAR_KINDS = [TTLinear, TTMLinear]
+
+
+def random_gates(layer, low=0.5, high=1.5):
+    with torch.no_grad():
+        for g in layer.gates:
+            g.uniform_(low, high)
+
+
+@pytest.mark.parametrize("cls", LINEAR_KINDS)
+@pytest.mark.parametrize("shape", [(24, 20), (768, 768), (13, 7)])
+def test_forward_equals_dense(cls, shape):
+    layer = cls(*shape, ranks=5).double()
+    random_gates(layer)
+    x = torch.randn(3, 5, shape[0], dtype=torch.float64)
+    expected = x @ layer.to_dense().T + layer.bias
+    torch.testing.assert_close(layer(x), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(layer.forward_fixed_order(x), expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cls", LINEAR_KINDS)
+def test_from_dense_full_rank_is_exact(cls):
+    dense = nn.Linear(12, 10).double()
+    layer = cls.from_dense(dense)
+    torch.testing.assert_close(layer.to_dense(), dense.weight, rtol=1e-9, atol=1e-9)
+    x = torch.randn(4, 12, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), dense(x), rtol=1e-9, atol=1e-9)
+
+
+def _gradcheck_module(layer, *inputs):
+    names = [n for n, _ in layer.named_parameters()]
+    params = [p.detach().clone().requires_grad_(True) for p in layer.parameters()]
+
+    def fn(*tensors):
+        n = len(inputs)
+        return functional_call(layer, dict(zip(names, tensors[n:])), tensors[:n])
+
+    assert torch.autograd.gradcheck(fn, (*inputs, *params), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", LINEAR_KINDS)
+def test_gradcheck_linear(cls):
+    layer = cls(12, 6, ranks=3, in_modes=[3, 4], out_modes=[2, 3]).double()
+    random_gates(layer)
+    x = torch.randn(3, 12, dtype=torch.float64, requires_grad=True)
+    _gradcheck_module(layer, x)
+
+
+@pytest.mark.parametrize("mode", [None, "sum", "mean"])
+def test_gradcheck_embedding(mode):
+    layer = TTEmbedding(20, 6, ranks=3, row_modes=[4, 5], col_modes=[2, 3], mode=mode).double()
+    random_gates(layer)
+    ids = torch.tensor([[1, 7, 7], [19, 0, 3]])
+    _gradcheck_module(layer, ids)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_rows_match_table(dedup, padding_idx):
+    layer = TTEmbedding(1000, 24, ranks=6, dedup=dedup, padding_idx=padding_idx).double()
+    random_gates(layer)
+    table = layer.to_dense()
+    ids = torch.randint(0, 1000, (7, 9))
+    ids[0, :4] = 3  # repeats (and padding when padding_idx == 3)
+    torch.testing.assert_close(layer(ids), table[ids], rtol=1e-10, atol=1e-10)
+    if padding_idx is not None:
+        assert layer(torch.tensor([3])).abs().max() == 0
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("dedup", [True, False])
+def test_embedding_bag_matches_dense_bag(mode, dedup):
+    layer = TTEmbedding(500, 16, ranks=5, mode=mode, dedup=dedup, padding_idx=2).double()
+    random_gates(layer)
+    ids = torch.tensor([4, 2, 4, 9, 499, 0, 2, 7])
+    offsets = torch.tensor([0, 3, 3, 6])  # one empty bag
+    expected = F.embedding_bag(ids, layer.to_dense(), offsets, mode=mode, padding_idx=2)
+    torch.testing.assert_close(layer(ids, offsets), expected, rtol=1e-10, atol=1e-10)
+    bags = ids.reshape(2, 4)
+    expected2 = F.embedding_bag(bags, layer.to_dense(), mode=mode, padding_idx=2)
+    torch.testing.assert_close(layer(bags), expected2, rtol=1e-10, atol=1e-10)
+
+
+def test_embedding_rejects_bad_ids():
+    layer = TTEmbedding(100, 8, ranks=4)
+    with pytest.raises(IndexError, match=r"\[0, 100\)"):
+        layer(torch.tensor([5, 100]))
+    with pytest.raises(TypeError, match="integer ids"):
+        layer(torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: TTLinear(64, 48, ranks=6),
+        lambda: TTMLinear(64, 48, ranks=6),
+        lambda: TTEmbedding(300, 16, ranks=6),
+    ],
+)
+def test_prune_keeps_outputs_and_cuts_exact_count(make):
+    layer = make().double()
+    random_gates(layer)
+    x = torch.randint(0, 300, (10,)) if isinstance(layer, TTEmbedding) else torch.randn(5, 64).double()
+    dead = {0: [1, 4], len(layer.gates) - 1: [0]}
+    with torch.no_grad():
+        for bond, channels in dead.items():
+            layer.gates[bond][channels] = 0.005  # below the 0.01 threshold
+    before_out = layer(x)
+    ranks = layer.ranks
+    expected_ranks = list(ranks)
+    for bond, channels in dead.items():
+        expected_ranks[bond + 1] -= len(channels)
+    expected_params = layer.num_core_parameters(expected_ranks)
+    assert layer.effective_ranks() == expected_ranks
+    result = layer.prune_ranks()
+    assert layer.ranks == expected_ranks
+    assert sum(c.numel() for c in layer.cores) == expected_params
+    assert result.params_before - result.params_after == layer.num_core_parameters(ranks) - expected_params
+    assert result.removed[0] == 2
+    torch.testing.assert_close(layer(x), before_out, rtol=1e-10, atol=1e-10)
+    assert not layer.prune_ranks()  # nothing left to remove
+
+
+def test_pruned_layer_saves_and_loads_exactly():
+    layer = TTLinear(64, 48, ranks=6)
+    with torch.no_grad():
+        layer.gates[1][[0, 2, 5]] = 0.0
+    layer.prune_ranks()
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = TTLinear(64, 48, ranks=6)  # other ranks: the load resizes it
+    fresh.load_state_dict(torch.load(buffer, weights_only=False))
+    assert fresh.ranks == layer.ranks
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), layer(x))
+    for a, b in zip(fresh.parameters(), layer.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_load_other_modes_names_both_layouts():
+    saved = TTLinear(64, 48, ranks=4, in_modes=[8, 8], out_modes=[6, 8]).state_dict()
+    other = TTLinear(64, 48, ranks=4, in_modes=[4, 16], out_modes=[6, 8])
+    with pytest.raises(LayoutMismatchError, match=r"in_modes.*\[8, 8\].*in_modes.*\[4, 16\]"):
+        other.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("cls", LINEAR_KINDS)
+def test_init_variance_matches_nn_linear(cls):
+    x = torch.randn(2048, 768)
+    dense_var = nn.Linear(768, 768, bias=False)(x).var().item()
+    ours = torch.stack([cls(768, 768, ranks=16, bias=False)(x).var() for _ in range(4)]).mean()
+    assert 0.6 < ours.item() / dense_var < 1.6
+
+
+def test_embedding_init_variance_matches_nn_embedding():
+    ids = torch.arange(4000)
+    var = torch.stack([TTEmbedding(4000, 64, ranks=16)(ids).var() for _ in range(4)]).mean()
+    assert 0.6 < var.item() < 1.6
+
+
+def test_reference_modes_and_params():
+    layer = TTLinear(768, 3072, ranks=30)
+    assert layer.in_modes == (12, 8, 8) and layer.out_modes == (12, 16, 16)
+    assert layer.ranks == [1, 12, 30, 30, 30, 16, 1]
+    assert sum(c.numel() for c in layer.cores) == 28960
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="at most"):
+        TTLinear(768, 768, ranks=[12, 30, 200, 30, 12])
+    with pytest.raises(ValueError, match="multiply to"):
+        TTLinear(100, 10, in_modes=[3, 3])
+    with pytest.raises(ValueError, match="positive int"):
+        TTMLinear(0, 10)
+    with pytest.raises(ValueError, match=r"\(\*, 32\)"):
+        TTLinear(32, 8, ranks=2)(torch.randn(4, 31))
+
+
+def test_dtype_and_leading_dims_like_nn_linear():
+    layer = TTLinear(32, 8, ranks=4).to(torch.float64)
+    out = layer(torch.randn(2, 3, 4, 32, dtype=torch.float64))
+    assert out.shape == (2, 3, 4, 8) and out.dtype == torch.float64
+    assert layer(torch.randn(0, 32, dtype=torch.float64)).shape == (0, 8)
