@@ -109,7 +109,11 @@ class TTEmbedding(TensorizedLayer):
             raise ValueError("offsets / per_sample_weights need a bag layer (mode='sum'|'mean')")
         flat = input.reshape(-1).long()
         eager = not torch.compiler.is_compiling() and not _capturing()
-        if eager and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+        if (
+            eager
+            and flat.numel()
+            and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings)
+        ):
             raise IndexError(
                 f"ids must lie in [0, {self.num_embeddings}), got [{int(flat.min())}, "
                 f"{int(flat.max())}]"
@@ -166,7 +170,9 @@ class TTEmbedding(TensorizedLayer):
         )
         rows, cols = layer.padded_shape
         table = _padded(module.weight.detach(), rows, cols)
-        cores = ttm_svd(table, layer.row_modes, layer.col_modes, max_rank=ranks, tolerance=tolerance)
+        cores = ttm_svd(
+            table, layer.row_modes, layer.col_modes, max_rank=ranks, tolerance=tolerance
+        )
         layer._set_cores(cores)
         return layer
 

@@ -120,7 +120,9 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
             **kwargs,
         )
         weight = _padded(module.weight.detach(), layer.padded_out, layer.padded_in)
-        cores = ttm_svd(weight, layer.out_modes, layer.in_modes, max_rank=ranks, tolerance=tolerance)
+        cores = ttm_svd(
+            weight, layer.out_modes, layer.in_modes, max_rank=ranks, tolerance=tolerance
+        )
         layer._set_cores(cores)
         if module.bias is not None:
             layer.bias.data.copy_(module.bias.detach())

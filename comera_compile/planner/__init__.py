@@ -1,0 +1,38 @@
+"""Contraction planning: each tensorized layer's forward as a tensor network, its best tree
+per batch-size bucket (cotengra), cached in memory and on disk, run as plain torch ops."""
+
+from .cache import cache_dir, clear_memory_cache, get_plan
+from .costs import Objective, PathCost, evaluate_path, parse_objective
+from .embedding import EmbeddingPlan, embedding_plan
+from .executor import Program, compile_program, run_program
+from .network import BATCH, Network, next_power_of_two
+from .networks import tt_linear_network, ttm_linear_network
+from .plan import FORMAT_VERSION, Plan
+from .planning import plan_network
+from .records import PlanRecord, PlanReport, plan_records_for
+
+__all__ = [
+    "BATCH",
+    "EmbeddingPlan",
+    "FORMAT_VERSION",
+    "Network",
+    "Objective",
+    "PathCost",
+    "Plan",
+    "PlanRecord",
+    "PlanReport",
+    "Program",
+    "cache_dir",
+    "clear_memory_cache",
+    "compile_program",
+    "embedding_plan",
+    "evaluate_path",
+    "get_plan",
+    "next_power_of_two",
+    "parse_objective",
+    "plan_network",
+    "plan_records_for",
+    "run_program",
+    "tt_linear_network",
+    "ttm_linear_network",
+]

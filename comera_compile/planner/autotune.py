@@ -1,0 +1,55 @@
+"""Optional autotuning: time the few best trees by model cost and keep the fastest.
+
+The cost model ignores kernel efficiency (a bmm with a tiny inner dimension can be slower
+than its multiply-add count suggests), so when asked we measure the top candidates on
+example operands. Off by default: it costs a few forward passes per new bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .network import Network
+
+REPEATS = 3
+
+
+def example_operands(network: Network, dtype: torch.dtype, device_type: str) -> list[Tensor]:
+    """Random operands with the network's shapes (used when no example was given)."""
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(shape, generator=gen, dtype=dtype).to(device_type)
+        for shape in network.shapes()
+    ]
+
+
+def _sync(device_type: str) -> None:
+    if device_type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_candidate(run: Callable[[], Tensor], device_type: str) -> float:
+    """Best-of-``REPEATS`` wall time of ``run`` after one warm-up call."""
+    with torch.no_grad():
+        run()
+        best = float("inf")
+        for _ in range(REPEATS):
+            _sync(device_type)
+            start = time.perf_counter()
+            run()
+            _sync(device_type)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def fastest(candidates: Sequence, operands: Sequence[Tensor], device_type: str):
+    """The candidate plan (anything with ``execute``) that runs fastest on ``operands``."""
+    timed = [
+        (time_candidate(lambda p=plan: p.execute(*operands), device_type), k, plan)
+        for k, plan in enumerate(candidates)
+    ]
+    return min(timed, key=lambda t: (t[0], t[1]))[2]

@@ -1,0 +1,194 @@
+"""Plan caches: an in-memory dict (hit on every forward) over a JSON-file disk cache.
+
+``get_plan`` is called from layer forwards on every step, so a hit is one dict lookup on
+a key of small hashable values (the network caches its own hash). The disk cache lives in
+``$COMERA_CACHE_DIR`` (``off`` disables it) or ``~/.cache/comera_compile/plans``; each
+entry is re-validated on load (key, versions, path, recomputed costs) and re-planned and
+overwritten when anything is off: a cache file is never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import cotengra
+import torch
+from torch import Tensor
+
+from .costs import evaluate_path, parse_objective
+from .network import BATCH, Network, next_power_of_two
+from .plan import FORMAT_VERSION, Plan
+from .planning import plan_network
+
+log = logging.getLogger(__name__)
+
+_requests: dict[tuple, Plan] = {}
+_buckets: dict[tuple, Plan] = {}
+_unwritable: set[str] = set()
+
+
+def clear_memory_cache() -> None:
+    """Forget every in-memory plan (the disk cache is left alone)."""
+    _requests.clear()
+    _buckets.clear()
+    _unwritable.clear()
+
+
+def cache_dir() -> Path | None:
+    """The disk cache directory, or None when ``COMERA_CACHE_DIR=off``."""
+    env = os.environ.get("COMERA_CACHE_DIR")
+    if env:
+        return None if env.strip().lower() in ("off", "none", "0") else Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "comera_compile" / "plans"
+
+
+def bucket_network(network: Network) -> Network:
+    """The network with its batch index rounded up to the next power of two."""
+    rows = network.rows
+    if rows is None or rows == next_power_of_two(rows):
+        return network
+    return network.with_sizes(**{BATCH: next_power_of_two(rows)})
+
+
+def disk_key(
+    network: Network, dtype: str, device_type: str, objective: str, training: bool, autotune: bool
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "kind": network.kind,
+        "equation": network.equation,
+        "sizes": [list(p) for p in network.sizes],
+        "names": list(network.names),
+        "dtype": dtype,
+        "device_type": device_type,
+        "objective": objective,
+        "training": training,
+        "autotune": autotune,
+    }
+
+
+def key_file(directory: Path, key: dict[str, Any]) -> Path:
+    canonical = json.dumps(key, sort_keys=True, separators=(",", ":"))
+    return directory / (hashlib.sha256(canonical.encode()).hexdigest()[:32] + ".json")
+
+
+def check_entry(data: Any, key: dict[str, Any], network: Network) -> Plan:
+    """The plan in a disk entry, or ValueError/KeyError/TypeError when it can't be trusted."""
+    if not isinstance(data, dict) or data.get("key") != key:
+        raise ValueError("entry key does not match")
+    plan = Plan.from_dict(data["plan"])
+    if plan.format_version != FORMAT_VERSION or plan.cotengra_version != cotengra.__version__:
+        raise ValueError("entry written by another format or cotengra version")
+    same = (plan.kind, plan.equation, plan.sizes, plan.names, plan.objective, plan.training)
+    want = (network.kind, network.equation, network.size_dict, network.names, key["objective"],
+            key["training"])
+    if same != want:
+        raise ValueError("entry describes another network")
+    cost = evaluate_path(
+        network.inputs, network.output, network.size_dict, plan.path, plan.objective,
+        plan.training,
+    )
+    if (cost.macs, cost.peak, cost.write, cost.cost) != (
+        plan.macs, plan.peak, plan.write, plan.cost
+    ):
+        raise ValueError("entry costs do not match its path")
+    return plan
+
+
+def load_entry(path: Path, key: dict[str, Any], network: Network) -> Plan | None:
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        return check_entry(json.loads(text), key, network)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        log.debug("re-planning: invalid plan cache entry %s (%s)", path, err)
+        return None
+
+
+def store_entry(path: Path, key: dict[str, Any], plan: Plan) -> None:
+    """Write atomically (temp file + os.replace); warn once per unwritable directory."""
+    directory = path.parent
+    if str(directory) in _unwritable:
+        return
+    tmp = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".plan-", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"key": key, "plan": plan.to_dict()}, fh, indent=1)
+        os.replace(tmp, path)
+    except OSError as err:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        _unwritable.add(str(directory))
+        warnings.warn(
+            f"comera_compile: plan cache directory {directory} is not writable ({err}); "
+            "keeping plans in memory only. Set COMERA_CACHE_DIR to a writable directory "
+            "(or to 'off').",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def get_plan(
+    network: Network,
+    *,
+    dtype: torch.dtype,
+    device_type: str,
+    objective: str = "combo",
+    autotune: bool = False,
+    operands_example: Sequence[Tensor] | None = None,
+    training: bool = False,
+) -> Plan:
+    """The plan for ``network`` with its batch index bucketed to a power of two.
+
+    Memory cache, then disk cache, then a fresh search (stored in both).
+    """
+    request = (network, dtype, device_type, objective, training, autotune)
+    plan = _requests.get(request)
+    if plan is not None:
+        return plan
+    parse_objective(objective)  # fail at the door on a bad name
+    bucketed = bucket_network(network)
+    bucket_key = (bucketed, dtype, device_type, objective, training, autotune)
+    plan = _buckets.get(bucket_key)
+    if plan is None:
+        plan = _load_or_plan(bucketed, dtype, device_type, objective, training, autotune,
+                             operands_example)
+        _buckets[bucket_key] = plan
+    _requests[request] = plan
+    return plan
+
+
+def _load_or_plan(network, dtype, device_type, objective, training, autotune, operands_example):
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = disk_key(network, dtype_name, device_type, objective, training, autotune)
+    directory = cache_dir()
+    path = key_file(directory, key) if directory is not None else None
+    if path is not None:
+        plan = load_entry(path, key, network)
+        if plan is not None:
+            return plan
+    plan = plan_network(
+        network,
+        objective=objective,
+        training=training,
+        autotune=autotune,
+        dtype=dtype,
+        device_type=device_type,
+        operands_example=operands_example,
+    )
+    if path is not None:
+        store_entry(path, key, plan)
+    return plan

@@ -1,0 +1,97 @@
+"""The terms CoMERA adds to the task loss, and how big a model is.
+
+- ``rank_penalty``: the early-stage l1 on the rank gates, as the reference code has it: the
+  mean magnitude of the *active* gate entries (``|g| > threshold``) over all tensorized
+  layers, times a small weight. Dead entries get no gradient (the forward already ignores
+  them). An optional l2 on the cores stops the cores from growing to undo the shrinking
+  gates.
+- ``soft_size``: the late stage's size term ``R``. It is the core parameter count with each
+  rank replaced by a "soft rank", the sum of ``|g|`` over the bond's active entries. With
+  all gates at 1 it equals the true count; it is differentiable in the gates and weights
+  each bond by the parameters it costs, so the late stage cuts expensive bonds first.
+  The trainer divides it by its value at late-stage start, so ``R`` starts at 1.
+- ``model_size``: what the model weighs now: core parameters at the effective ranks plus
+  the live gate entries of every tensorized layer, plus every other parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from comera_compile.nn import TensorizedLayer
+from comera_compile.nn.gates import alive
+
+
+def tensorized_layers(model: nn.Module) -> list[tuple[str, TensorizedLayer]]:
+    """``(name, layer)`` for every tensorized layer in the model (the model itself included)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, TensorizedLayer)]
+
+
+def _layers(model: nn.Module) -> list[TensorizedLayer]:
+    return [m for _, m in tensorized_layers(model)]
+
+
+def _zero(model: nn.Module) -> Tensor:
+    p = next(model.parameters(), None)
+    return torch.zeros(()) if p is None else p.new_zeros(())
+
+
+def rank_penalty(model: nn.Module, weight: float = 0.01, l2_weight: float = 0.0) -> Tensor:
+    """``weight * mean(|g|, active g) + l2_weight * sum(core ** 2)`` over tensorized layers."""
+    total, count = _zero(model), _zero(model)
+    for layer in _layers(model):
+        for gate in layer.gates:
+            mask = alive(gate, layer.threshold)
+            total = total + (gate.abs() * mask).sum()
+            count = count + mask.sum()  # a tensor: no host sync per gate
+    penalty = weight * total / count.clamp(min=1)
+    if l2_weight:
+        squares = sum(core.pow(2).sum() for layer in _layers(model) for core in layer.cores)
+        penalty = penalty + l2_weight * squares
+    return penalty
+
+
+def soft_ranks(layer: TensorizedLayer) -> list[Tensor]:
+    """``[1, s_1, ..., s_{L-1}, 1]`` with ``s_k`` the summed ``|g|`` of bond k's active entries."""
+    one = layer.gates[0].new_ones(()) if len(layer.gates) else torch.ones(())
+    inner = [(g.abs() * alive(g, layer.threshold)).sum() for g in layer.gates]
+    return [one, *inner, one]
+
+
+def soft_size(model: nn.Module) -> Tensor:
+    """Core parameter count at soft ranks, summed over tensorized layers (differentiable)."""
+    total = _zero(model)
+    for layer in _layers(model):
+        ranks = soft_ranks(layer)
+        for k, physical in enumerate(layer.core_physical_shapes()):
+            total = total + math.prod(physical) * ranks[k] * ranks[k + 1]
+    return total
+
+
+def model_size(model: nn.Module, in_bytes: bool = False) -> int:
+    """Parameters (or bytes) the model needs once dead rank channels are dropped."""
+    seen: set[int] = set()
+    size = 0
+    for layer in _layers(model):
+        ranks = layer.effective_ranks()
+        params = layer.num_core_parameters(ranks) + sum(ranks[1:-1])
+        item = layer.cores[0].element_size() if in_bytes else 1
+        size += params * item
+        seen.update(id(p) for p in (*layer.cores, *layer.gates))
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            size += p.numel() * (p.element_size() if in_bytes else 1)
+    return size
+
+
+def tensorized_compression(model: nn.Module) -> float:
+    """Dense weight parameters over core parameters at the effective ranks, over all
+    tensorized layers together (biases and gates excluded, as ``compression_ratio``)."""
+    layers = _layers(model)
+    dense = sum(layer.dense_parameters for layer in layers)
+    cores = sum(layer.num_core_parameters(layer.effective_ranks()) for layer in layers)
+    return dense / cores if cores else 1.0
