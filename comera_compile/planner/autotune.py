@@ -22,8 +22,7 @@ def example_operands(network: Network, dtype: torch.dtype, device_type: str) -> 
     """Random operands with the network's shapes (used when no example was given)."""
     gen = torch.Generator().manual_seed(0)
     return [
-        torch.randn(shape, generator=gen, dtype=dtype).to(device_type)
-        for shape in network.shapes()
+        torch.randn(shape, generator=gen, dtype=dtype).to(device_type) for shape in network.shapes()
     ]
 
 

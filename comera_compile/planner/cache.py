@@ -89,16 +89,29 @@ def check_entry(data: Any, key: dict[str, Any], network: Network) -> Plan:
     if plan.format_version != FORMAT_VERSION or plan.cotengra_version != cotengra.__version__:
         raise ValueError("entry written by another format or cotengra version")
     same = (plan.kind, plan.equation, plan.sizes, plan.names, plan.objective, plan.training)
-    want = (network.kind, network.equation, network.size_dict, network.names, key["objective"],
-            key["training"])
+    want = (
+        network.kind,
+        network.equation,
+        network.size_dict,
+        network.names,
+        key["objective"],
+        key["training"],
+    )
     if same != want:
         raise ValueError("entry describes another network")
     cost = evaluate_path(
-        network.inputs, network.output, network.size_dict, plan.path, plan.objective,
+        network.inputs,
+        network.output,
+        network.size_dict,
+        plan.path,
+        plan.objective,
         plan.training,
     )
     if (cost.macs, cost.peak, cost.write, cost.cost) != (
-        plan.macs, plan.peak, plan.write, plan.cost
+        plan.macs,
+        plan.peak,
+        plan.write,
+        plan.cost,
     ):
         raise ValueError("entry costs do not match its path")
     return plan
@@ -164,8 +177,9 @@ def get_plan(
     bucket_key = (bucketed, dtype, device_type, objective, training, autotune)
     plan = _buckets.get(bucket_key)
     if plan is None:
-        plan = _load_or_plan(bucketed, dtype, device_type, objective, training, autotune,
-                             operands_example)
+        plan = _load_or_plan(
+            bucketed, dtype, device_type, objective, training, autotune, operands_example
+        )
         _buckets[bucket_key] = plan
     _requests[request] = plan
     return plan

@@ -11,7 +11,11 @@ the real batch size.
 ``training=True`` is the gradient-aware variant: a step whose operands need gradients
 also pays the backward contractions (``dA = dC . B`` and ``dB = A . dC``, each as many
 multiply-adds as the forward step) and writes ``dA`` / ``dB``. Every operand of a layer
-(input and cores) is assumed to need a gradient.
+(input and cores) is assumed to need a gradient. Measured on the test grid (TT linear
+768x768 and 768x3072, TTM 768x768; ranks 4/16/30; batches 1..4096): the training cost
+never changes the TT-linear tree and changes the TTM tree only at rank 4 with 512+ rows
+(``((x . G1) . G2) . G3`` instead of ``(x . (G1 . G2)) . G3``, ~6% cheaper by this model).
+Off by default.
 """
 
 from __future__ import annotations
@@ -133,8 +137,8 @@ def evaluate_path(
         if training and not obj.is_max:
             # both operands of every step need gradients (module docstring)
             step_flops = 3 * flops
-            step_size = size + math.prod(size_dict[ix] for ix in a) + math.prod(
-                size_dict[ix] for ix in b
+            step_size = (
+                size + math.prod(size_dict[ix] for ix in a) + math.prod(size_dict[ix] for ix in b)
             )
         else:
             step_flops, step_size = flops, size

@@ -67,8 +67,13 @@ class EmbeddingPlan:
     def halves(self) -> tuple[int, int, int, int, int]:
         """``(M_L, N_L, r_s, M_R, N_R)`` of the split."""
         s, m, n = self.split, self.row_modes, self.col_modes
-        return (math.prod(m[:s]), math.prod(n[:s]), self.ranks[s], math.prod(m[s:]),
-                math.prod(n[s:]))
+        return (
+            math.prod(m[:s]),
+            math.prod(n[:s]),
+            self.ranks[s],
+            math.prod(m[s:]),
+            math.prod(n[s:]),
+        )
 
     @property
     def equation(self) -> str:
@@ -90,7 +95,7 @@ class EmbeddingPlan:
         names = self.names
         if self.split == 0:
             return f"gather({names[0]})"
-        left, right = " . ".join(names[: self.split]), " . ".join(names[self.split:])
+        left, right = " . ".join(names[: self.split]), " . ".join(names[self.split :])
         return f"gather({left}) . gather({right})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,13 +157,12 @@ def split_costs(
     d = len(m)
     out = {}
     for s in range(1, d):
-        merge = _left_merge_macs(m[:s], n[:s], r[: s + 1]) + _right_merge_macs(
-            m[s:], n[s:], r[s:]
-        )
+        merge = _left_merge_macs(m[:s], n[:s], r[: s + 1]) + _right_merge_macs(m[s:], n[s:], r[s:])
         m_l, n_l, m_r, n_r = math.prod(m[:s]), math.prod(n[:s]), math.prod(m[s:]), math.prod(n[s:])
         total = merge + rows * n_l * r[s] * n_r
-        peak = max(m_l * n_l * r[s], m_r * r[s] * n_r, rows * r[s] * max(n_l, n_r),
-                   rows * n_l * n_r)
+        peak = max(
+            m_l * n_l * r[s], m_r * r[s] * n_r, rows * r[s] * max(n_l, n_r), rows * n_l * n_r
+        )
         out[s] = (total, merge, peak)
     return out
 
@@ -168,8 +172,9 @@ def _embedding_plan(row_modes, col_modes, ranks, bucket) -> EmbeddingPlan:
     d = len(row_modes)
     if d == 1:
         size = row_modes[0] * col_modes[0]
-        return EmbeddingPlan(row_modes, col_modes, ranks, bucket, 0, 0, 0,
-                             max(size, bucket * col_modes[0]))
+        return EmbeddingPlan(
+            row_modes, col_modes, ranks, bucket, 0, 0, 0, max(size, bucket * col_modes[0])
+        )
     costs = split_costs(row_modes, col_modes, ranks, bucket)
     split = min(costs, key=lambda s: (costs[s][0], s))
     total, merge, peak = costs[split]

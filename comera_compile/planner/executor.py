@@ -54,9 +54,7 @@ def _prod(sizes) -> int:
     return out
 
 
-def compile_program(
-    inputs: Sequence[str], output: str, path: Sequence[Sequence[int]]
-) -> Program:
+def compile_program(inputs: Sequence[str], output: str, path: Sequence[Sequence[int]]) -> Program:
     """Turn an SSA path over ``inputs -> output`` into a :class:`Program`."""
     terms: dict[int, str] = dict(enumerate(inputs))
     count: dict[str, int] = {}
@@ -116,9 +114,9 @@ def _pair(step: PairStep, a: Tensor, b: Tensor) -> Tensor:
     b = _permute(b, step.right_perm)
     nb, nf, nc = step.n_batch, step.n_left_free, step.n_contract
     batch = a.shape[:nb]
-    a_free = a.shape[nb: nb + nf]
-    b_free = b.shape[nb + nc:]
-    k = _prod(a.shape[nb + nf:])
+    a_free = a.shape[nb : nb + nf]
+    b_free = b.shape[nb + nc :]
+    k = _prod(a.shape[nb + nf :])
     if nb:
         bs = _prod(batch)
         c = torch.matmul(a.reshape(bs, _prod(a_free), k), b.reshape(bs, k, _prod(b_free)))

@@ -55,7 +55,7 @@ class Network:
 
     @property
     def equation(self) -> str:
-        """The einsum-style equation ``"bij,ia,ajk->bk"`` (a description, never run)."""
+        """The index-notation equation ``"bij,ia,ajk->bk"`` (a description, never run)."""
         return ",".join(self.inputs) + "->" + self.output
 
     @property
@@ -71,8 +71,9 @@ class Network:
         """The same network with some index sizes replaced (e.g. ``b=bucket``)."""
         merged = self.size_dict
         merged.update(sizes)
-        return Network(self.kind, self.inputs, self.output, tuple(sorted(merged.items())),
-                       self.names)
+        return Network(
+            self.kind, self.inputs, self.output, tuple(sorted(merged.items())), self.names
+        )
 
     def shapes(self) -> list[tuple[int, ...]]:
         """The operand shapes this network expects."""

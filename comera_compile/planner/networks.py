@@ -76,7 +76,7 @@ def tt_linear_network(
     cores = len(n) + len(m)
     r = internal_ranks(ranks, cores)
     letters = _letters(2 * cores - 1)
-    n_ix, m_ix, r_ix = letters[: len(n)], letters[len(n): cores], letters[cores:]
+    n_ix, m_ix, r_ix = letters[: len(n)], letters[len(n) : cores], letters[cores:]
     sizes = {BATCH: int(rows), **dict(zip(n_ix, n)), **dict(zip(m_ix, m)), **dict(zip(r_ix, r))}
     terms = _chain_terms(n_ix + m_ix, r_ix)
     return _build("tt_linear", BATCH + "".join(n_ix), terms, BATCH + "".join(m_ix), sizes)
@@ -93,7 +93,7 @@ def ttm_linear_network(
     d = len(n)
     r = internal_ranks(ranks, d)
     letters = _letters(3 * d - 1)
-    n_ix, m_ix, r_ix = letters[:d], letters[d: 2 * d], letters[2 * d:]
+    n_ix, m_ix, r_ix = letters[:d], letters[d : 2 * d], letters[2 * d :]
     sizes = {BATCH: int(rows), **dict(zip(n_ix, n)), **dict(zip(m_ix, m)), **dict(zip(r_ix, r))}
     terms = _chain_terms([mi + ni for mi, ni in zip(m_ix, n_ix)], r_ix)
     return _build("ttm_linear", BATCH + "".join(n_ix), terms, BATCH + "".join(m_ix), sizes)

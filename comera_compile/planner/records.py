@@ -71,16 +71,26 @@ class PlanReport:
     def __str__(self) -> str:
         header = ("layer", "kind", "batch", "macs", "dense", "ratio", "peak", "order")
         rows = [
-            (r.layer, r.kind, str(r.batch_size), f"{r.macs:,}", f"{r.dense_macs:,}",
-             f"{r.ratio:.3f}", f"{r.peak:,}", r.order)
+            (
+                r.layer,
+                r.kind,
+                str(r.batch_size),
+                f"{r.macs:,}",
+                f"{r.dense_macs:,}",
+                f"{r.ratio:.3f}",
+                f"{r.peak:,}",
+                r.order,
+            )
             for r in self.records
         ]
         widths = [max(len(c) for c in col) for col in zip(header, *rows)]
         right = {2, 3, 4, 5, 6}
 
         def fmt(cells) -> str:
-            parts = [c.rjust(w) if k in right else c.ljust(w)
-                     for k, (c, w) in enumerate(zip(cells, widths))]
+            parts = [
+                c.rjust(w) if k in right else c.ljust(w)
+                for k, (c, w) in enumerate(zip(cells, widths))
+            ]
             return "  ".join(parts).rstrip()
 
         lines = [fmt(header), fmt(["-" * w for w in widths])]
@@ -101,17 +111,44 @@ def plan_records_for(
     if isinstance(source, EmbeddingPlan) or isinstance(plan, EmbeddingPlan):
         emb = plan if isinstance(plan, EmbeddingPlan) else source
         macs, peak = _embedding_cost_at(emb, batch_size)
-        return PlanRecord(name, emb.kind, batch_size, emb.order_expression(), macs, peak,
-                          int(dense_macs), _ratio(macs, dense_macs), emb.equation,
-                          {**emb.sizes, "b": batch_size}, emb.path, emb.objective, macs,
-                          "comera.split_search", emb.rows_bucket)
+        return PlanRecord(
+            name,
+            emb.kind,
+            batch_size,
+            emb.order_expression(),
+            macs,
+            peak,
+            int(dense_macs),
+            _ratio(macs, dense_macs),
+            emb.equation,
+            {**emb.sizes, "b": batch_size},
+            emb.path,
+            emb.objective,
+            macs,
+            "comera.split_search",
+            emb.rows_bucket,
+        )
     network = source.with_sizes(**{BATCH: batch_size}) if source.rows is not None else source
-    cost = evaluate_path(network.inputs, network.output, network.size_dict, plan.path,
-                         plan.objective, plan.training)
-    return PlanRecord(name, plan.kind, batch_size, plan.order_expression(), cost.macs,
-                      cost.peak, int(dense_macs), _ratio(cost.macs, dense_macs),
-                      plan.equation, network.size_dict, list(plan.path), plan.objective,
-                      cost.cost, plan.optimizer, plan.rows_bucket)
+    cost = evaluate_path(
+        network.inputs, network.output, network.size_dict, plan.path, plan.objective, plan.training
+    )
+    return PlanRecord(
+        name,
+        plan.kind,
+        batch_size,
+        plan.order_expression(),
+        cost.macs,
+        cost.peak,
+        int(dense_macs),
+        _ratio(cost.macs, dense_macs),
+        plan.equation,
+        network.size_dict,
+        list(plan.path),
+        plan.objective,
+        cost.cost,
+        plan.optimizer,
+        plan.rows_bucket,
+    )
 
 
 def _embedding_cost_at(emb: EmbeddingPlan, rows: int) -> tuple[int, int]:

@@ -1,0 +1,47 @@
+"""Timing helpers shared by the benchmark scripts (median of repeated runs after warm-up)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
+    """Median wall time of ``fn()``; synchronizes CUDA so GPU work is counted."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def forward_backward(module: torch.nn.Module, inputs: tuple, forward=None) -> Callable[[], None]:
+    """A closure running forward + backward of ``module`` on ``inputs`` (grads set to None)."""
+    forward = forward or module
+
+    def run() -> None:
+        for p in module.parameters():
+            p.grad = None
+        out = forward(*inputs)
+        out.backward(torch.ones_like(out))
+
+    return run
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """An aligned plain-text table."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join(h.rjust(w) for h, w in zip(header, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,69 @@
+"""Model specs the command line understands: a built-in name or ``package.module:factory``.
+
+A factory returns a model, or ``(model, example_inputs)``; built-ins come with example
+inputs so ``optimize`` can learn shapes without the user writing any code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from comera_compile.models import SixEncoderClassifier, SixEncoderConfig, reference_tensorized
+
+
+@dataclass
+class ModelSpec:
+    model: nn.Module
+    example_inputs: tuple
+
+
+def _six_encoder(config: SixEncoderConfig, seq: int = 128, batch: int = 32) -> ModelSpec:
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return ModelSpec(SixEncoderClassifier(config).eval(), (ids,))
+
+
+def _reference() -> ModelSpec:
+    spec = _six_encoder(SixEncoderConfig())
+    return ModelSpec(reference_tensorized().eval(), spec.example_inputs)
+
+
+def _mlp() -> ModelSpec:
+    model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 10))
+    return ModelSpec(model, (torch.randn(64, 784),))
+
+
+BUILTIN: dict[str, Callable[[], ModelSpec]] = {
+    "six-encoder": lambda: _six_encoder(SixEncoderConfig()),
+    "six-encoder-small": lambda: _six_encoder(
+        SixEncoderConfig(vocab_size=4096, hidden=256, ffn=1024, heads=4, layers=2), seq=64
+    ),
+    "six-encoder-reference": _reference,
+    "mlp": _mlp,
+}
+
+
+def load_spec(spec: str) -> ModelSpec:
+    """Build the model a spec names; the error lists the built-ins and the import form."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]()
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown model spec {spec!r}: use one of {sorted(BUILTIN)} or "
+            "'package.module:factory' (a function returning a model or (model, example_inputs))"
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"cannot import {spec!r}: {err}") from err
+    made = factory()
+    if isinstance(made, tuple):
+        model, inputs = made
+        return ModelSpec(model, inputs if isinstance(inputs, tuple) else (inputs,))
+    return ModelSpec(made, ())
