@@ -616,3 +616,20 @@ def test_records_and_report(tmp_path):
     dumped = report.to_json(out)
     assert json.loads(out.read_text()) == json.loads(dumped)
     assert json.loads(dumped)[0]["path"] == [list(p) for p in plan.path]
+
+
+@pytest.mark.parametrize("rows", [1, 4096])
+def test_bias_fused_into_last_matmul_matches_separate_add(rows):
+    net = tt_linear_network((4, 3), (2, 5), 3, rows)
+    plan = get_plan(net, dtype=torch.float64, device_type="cpu")
+    ops = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in net.shapes()]
+    bias = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    fused = plan.execute(*ops, bias=bias)
+    separate = plan.execute(*ops) + bias
+    torch.testing.assert_close(fused, separate)
+    g1 = torch.autograd.grad(fused.sum(), [*ops, bias])
+    g2 = torch.autograd.grad(separate.sum(), [*ops, bias])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    if rows == 4096:  # the (x . L) . R order ends in a plain matmul: the bias rides in it
+        assert plan.program().bias_dims == 2

@@ -9,6 +9,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_compile.nn.base import next_power_of_two
+from comera_compile.planner import get_plan
+
+traced_contraction = None
+"""Set by ``comera_compile.compile``: while torch.compile traces, the contraction goes through
+a custom op so that planning a new batch size never runs inside (and splits) the graph."""
 
 
 class PlannedLinearMixin:
@@ -41,11 +46,11 @@ class PlannedLinearMixin:
         pad = self.padded_in - self.in_features
         return F.pad(x2, (0, pad)) if pad else x2
 
-    def _finish(self, y: Tensor, lead: torch.Size) -> Tensor:
+    def _finish(self, y: Tensor, lead: torch.Size, bias_added: bool = False) -> Tensor:
         y = y.reshape(y.shape[0], self.padded_out)
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
-        if self.bias is not None:
+        if self.bias is not None and not bias_added:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
@@ -54,8 +59,6 @@ class PlannedLinearMixin:
         key = (next_power_of_two(rows), dtype, device_type)
         plan = self._plans.get(key)
         if plan is None:
-            from comera_compile.planner import get_plan
-
             plan = get_plan(
                 self._network(key[0]),
                 dtype=dtype,
@@ -75,6 +78,13 @@ class PlannedLinearMixin:
         lead = x.shape[:-1]
         x2 = self._pad_input(x.reshape(-1, self.in_features))
         rows = x2.shape[0]
+        if traced_contraction is not None and torch.compiler.is_compiling():
+            y = traced_contraction(self, x2.reshape(rows, *self.in_modes), self.network_cores())
+            return self._finish(y, lead)
         plan = self.plan_for(rows, x.dtype, x.device.type)
-        y = plan.execute(x2.reshape(rows, *self.in_modes), *self.network_cores())
-        return self._finish(y, lead)
+        # the bias rides in the last matmul when the output needs no un-padding
+        bias = self.bias if self.padded_out == self.out_features else None
+        if bias is not None:
+            bias = bias.view(self.out_modes)
+        y = plan.execute(x2.reshape(rows, *self.in_modes), *self.network_cores(), bias=bias)
+        return self._finish(y, lead, bias_added=bias is not None)

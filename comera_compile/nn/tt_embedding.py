@@ -21,8 +21,13 @@ from comera_compile.nn._checks import full_ranks, modes_cover, positive_int
 from comera_compile.nn.base import TensorizedLayer, next_power_of_two
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.tt_linear import _padded
+from comera_compile.planner import embedding_plan
 
 _BAG_MODES = (None, "sum", "mean", "max")
+
+traced_lookup = None
+"""Set by ``comera_compile.compile``: while torch.compile traces, the lookup goes through a
+custom op so that planning a new id count never runs inside (and splits) the graph."""
 
 
 class TTEmbedding(TensorizedLayer):
@@ -86,14 +91,14 @@ class TTEmbedding(TensorizedLayer):
         key = next_power_of_two(rows)
         plan = self._plans.get(key)
         if plan is None:
-            from comera_compile.planner import embedding_plan
-
             plan = embedding_plan(self.row_modes, self.col_modes, self.ranks, key)
             self._plans[key] = plan
         return plan
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table."""
+        if traced_lookup is not None and torch.compiler.is_compiling():
+            return traced_lookup(self, ids, self.gated_cores())[:, : self.embedding_dim]
         rows = self.plan_for(ids.numel()).lookup(ids, self.gated_cores())
         return rows[:, : self.embedding_dim]
 

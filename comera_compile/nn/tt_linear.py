@@ -19,6 +19,7 @@ from comera_compile.nn._checks import full_ranks, modes_cover, positive_int
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.linear_common import PlannedLinearMixin
+from comera_compile.planner import tt_linear_network
 
 
 class TTLinear(PlannedLinearMixin, TensorizedLayer):
@@ -76,8 +77,6 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         return cores
 
     def _network(self, rows: int):
-        from comera_compile.planner import tt_linear_network
-
         return tt_linear_network(self.in_modes, self.out_modes, self.ranks, rows)
 
     def forward_fixed_order(self, x: Tensor) -> Tensor:

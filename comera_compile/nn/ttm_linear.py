@@ -19,6 +19,7 @@ from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.linear_common import PlannedLinearMixin
 from comera_compile.nn.tt_linear import _padded
+from comera_compile.planner import ttm_linear_network
 
 
 class TTMLinear(PlannedLinearMixin, TensorizedLayer):
@@ -83,8 +84,6 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
         return cores
 
     def _network(self, rows: int):
-        from comera_compile.planner import ttm_linear_network
-
         return ttm_linear_network(self.in_modes, self.out_modes, self.ranks, rows)
 
     def forward_fixed_order(self, x: Tensor) -> Tensor:

@@ -46,6 +46,16 @@ class Program:
     final_sum: tuple[int, ...]
     final_perm: tuple[int, ...]
 
+    @property
+    def bias_dims(self) -> int:
+        """How many trailing output dims a bias can be fused over (into the last matmul as
+        an ``addmm``); 0 when the last step is batched or followed by a sum or permute."""
+        last = self.steps[-1] if self.steps else None
+        identity = self.final_perm == tuple(range(len(self.final_perm)))
+        if last is None or last.n_batch or self.final_sum or not identity:
+            return 0
+        return last.n_right_free
+
 
 def _prod(sizes) -> int:
     out = 1
@@ -105,7 +115,7 @@ def _permute(t: Tensor, perm: tuple[int, ...]) -> Tensor:
     return t if perm == tuple(range(len(perm))) else t.permute(perm)
 
 
-def _pair(step: PairStep, a: Tensor, b: Tensor) -> Tensor:
+def _pair(step: PairStep, a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     if step.left_sum:
         a = a.sum(dim=step.left_sum)
     if step.right_sum:
@@ -120,21 +130,33 @@ def _pair(step: PairStep, a: Tensor, b: Tensor) -> Tensor:
     if nb:
         bs = _prod(batch)
         c = torch.matmul(a.reshape(bs, _prod(a_free), k), b.reshape(bs, k, _prod(b_free)))
+    elif bias is not None:
+        c = torch.addmm(bias.reshape(-1), a.reshape(_prod(a_free), k), b.reshape(k, -1))
     else:
         c = torch.matmul(a.reshape(_prod(a_free), k), b.reshape(k, _prod(b_free)))
     return c.reshape(*batch, *a_free, *b_free)
 
 
-def run_program(program: Program, operands: Sequence[Tensor]) -> Tensor:
-    """Execute ``program`` on ``operands`` (in network order)."""
+def run_program(
+    program: Program, operands: Sequence[Tensor], bias: Tensor | None = None
+) -> Tensor:
+    """Execute ``program`` on ``operands`` (in network order).
+
+    ``bias``, shaped like the trailing output dims, is added to the result; where the plan
+    ends in a plain matmul over exactly those dims it rides along in an ``addmm`` (one pass
+    over the output instead of two: that pass is a large share of a wide layer's time).
+    """
     if len(operands) != program.num_inputs:
         raise ValueError(f"plan expects {program.num_inputs} operands, got {len(operands)}")
+    fuse = bias is not None and program.bias_dims == bias.dim()
     values: list[Tensor | None] = list(operands)
-    for step in program.steps:
+    last = len(program.steps) - 1
+    for n, step in enumerate(program.steps):
         a, b = values[step.left], values[step.right]
         values[step.left] = values[step.right] = None  # drop references early
-        values.append(_pair(step, a, b))
+        values.append(_pair(step, a, b, bias if fuse and n == last else None))
     out = values[-1]
     if program.final_sum:
         out = out.sum(dim=program.final_sum)
-    return _permute(out, program.final_perm)
+    out = _permute(out, program.final_perm)
+    return out if bias is None or fuse else out + bias

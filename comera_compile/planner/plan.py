@@ -77,12 +77,12 @@ class Plan:
             self._program = compile_program(self.inputs, self.output, self.path)
         return self._program
 
-    def execute(self, *operands: Tensor) -> Tensor:
+    def execute(self, *operands: Tensor, bias: Tensor | None = None) -> Tensor:
         """Contract ``operands`` (network order: x, G1, ...) with plain torch ops."""
         program = self._program
         if program is None:
             program = self.program()
-        return run_program(program, operands)
+        return run_program(program, operands, bias)
 
     def to_dict(self) -> dict[str, Any]:
         return {
