@@ -32,6 +32,7 @@ from comera_compile.planner import (
 )
 from comera_compile.planner.costs import parse_objective
 from comera_compile.planner.dp import kbest_trees, tree_to_ssa
+from comera_compile.planner.embedding import CHAIN
 
 RANKS = (4, 16, 30)
 BATCHES = (1, 8, 64, 512, 4096)
@@ -487,6 +488,11 @@ def embedding_split_macs(m, n, ranks, rows):
             macs += full[k] * m[k] * n[k] * full[k + 1] * rshape[1] * rshape[2]
             rshape = (full[k], m[k] * rshape[1], n[k] * rshape[2])
         out[s] = macs + rows * n_left * full[s] * rshape[2]
+    chain, width = 0, n[0]  # per-row chain: (b, N, r) @ (b, r, n_k r') for k >= 2
+    for k in range(1, d):
+        chain += rows * width * full[k] * n[k] * full[k + 1]
+        width *= n[k]
+    out[CHAIN] = chain
     return out
 
 
@@ -499,7 +505,8 @@ def test_embedding_split_is_optimal(rank):
         assert plan.macs == min(costs.values()) and plan.cost == plan.macs
         assert plan.rows_bucket == rows
         splits.add(plan.split)
-    assert splits == {2}  # measured: the middle bond wins for every batch size here
+    # measured: per-core gathers win for few ids, the middle bond from ~100 ids on
+    assert splits == {CHAIN, 2}
     assert embedding_plan(*EMB_SHAPE, [1, rank, rank, rank, 1], 3) is embedding_plan(
         *EMB_SHAPE, rank, 4
     )
@@ -543,7 +550,8 @@ def test_embedding_lookup_matches_table_and_grads(m, n, ranks):
     ref = table.index_select(0, ids)
     for rows in (1, 37, 4096):
         plan = embedding_plan(m, n, [1, *ranks, 1], rows)
-        for split in range(1 if len(m) > 1 else 0, max(len(m), 1)):
+        splits = [*range(1, len(m)), CHAIN] if len(m) > 1 else [0]
+        for split in splits:
             forced = EmbeddingPlan(
                 plan.row_modes, plan.col_modes, plan.ranks, plan.rows_bucket, split, 0, 0, 0
             )
@@ -553,9 +561,19 @@ def test_embedding_lookup_matches_table_and_grads(m, n, ranks):
     plan = embedding_plan(m, n, [1, *ranks, 1], 37)
     w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     g_ref = torch.autograd.grad((ref * w).sum(), cores64)
-    g = torch.autograd.grad((plan.lookup(ids, cores32) * w.float()).sum(), cores32)
-    for a, b in zip(g, g_ref):
-        assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
+    for split in splits:
+        forced = EmbeddingPlan(plan.row_modes, plan.col_modes, plan.ranks, 64, split, 0, 0, 0)
+        g = torch.autograd.grad((forced.lookup(ids, cores32) * w.float()).sum(), cores32)
+        for a, b in zip(g, g_ref):
+            assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_embedding_chain_wins_for_few_ids_and_split_for_many():
+    m, n, ranks = [16, 20, 10, 10], [4, 4, 8, 6], [1, 32, 32, 32, 1]
+    assert embedding_plan(m, n, ranks, 1).split == CHAIN
+    assert embedding_plan(m, n, ranks, 4096).split == 2
+    record = plan_records_for("emb", embedding_plan(m, n, ranks, 1), None, 768, 1)
+    assert record.macs == 4 * 32 * 4 * 32 + 16 * 32 * 8 * 32 + 128 * 32 * 6
 
 
 def test_embedding_reference_config_rows():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_compile.nn.base import next_power_of_two
-from comera_compile.planner import get_plan
+from comera_compile.planner import PlanRecord, get_plan, plan_records_for
 
 traced_contraction = None
 """Set by ``comera_compile.compile``: while torch.compile traces, the contraction goes through
@@ -68,6 +68,16 @@ class PlannedLinearMixin:
             )
             self._plans[key] = plan
         return plan
+
+    def plan_record(
+        self, name: str, batch_size: int, dtype: torch.dtype | None = None, device_type=None
+    ) -> PlanRecord:
+        """Which contraction order runs for ``batch_size`` rows, and what it costs."""
+        weight = self.cores[0]
+        dtype = dtype or weight.dtype
+        plan = self.plan_for(batch_size, dtype, device_type or weight.device.type)
+        dense_macs = batch_size * self.in_features * self.out_features
+        return plan_records_for(name, self._network(batch_size), plan, dense_macs, batch_size)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:

@@ -21,7 +21,7 @@ from comera_compile.nn._checks import full_ranks, modes_cover, positive_int
 from comera_compile.nn.base import TensorizedLayer, next_power_of_two
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.tt_linear import _padded
-from comera_compile.planner import embedding_plan
+from comera_compile.planner import PlanRecord, embedding_plan, plan_records_for
 
 _BAG_MODES = (None, "sum", "mean", "max")
 
@@ -94,6 +94,11 @@ class TTEmbedding(TensorizedLayer):
             plan = embedding_plan(self.row_modes, self.col_modes, self.ranks, key)
             self._plans[key] = plan
         return plan
+
+    def plan_record(self, name: str, batch_size: int, **_) -> PlanRecord:
+        """The lookup plan for ``batch_size`` ids; the dense baseline is one row copy per id."""
+        plan = self.plan_for(batch_size)
+        return plan_records_for(name, plan, plan, batch_size * self.embedding_dim, batch_size)
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table."""

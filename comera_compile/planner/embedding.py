@@ -4,7 +4,9 @@
 table ``(M_R, r_s, N_R)``; a row id splits into ``id // M_R`` and ``id % M_R``, each
 gathers one slice, and one bmm per batch gives ``(N_L, N_R)`` per row. The merges cost
 the same for every batch while the bmm grows with it, so the best split bond depends on
-the number of ids: we pick the one with the fewest total multiply-adds.
+the number of ids: we pick the one with the fewest total multiply-adds. For a handful of
+ids no merge pays off: ``split = CHAIN`` gathers each core's slice per id and contracts
+the chain per row (cost linear in the ids, nothing shared).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from torch import Tensor
 
 from .network import next_power_of_two
 from .networks import _positive, internal_ranks
+
+CHAIN = -1
+"""``EmbeddingPlan.split`` value for the per-core gather + per-row chain strategy."""
 
 
 def _left_merge_macs(m: Sequence[int], n: Sequence[int], r: Sequence[int]) -> int:
@@ -48,7 +53,7 @@ class EmbeddingPlan:
     col_modes: tuple[int, ...]
     ranks: tuple[int, ...]  # full, [1, r_1, ..., r_{d-1}, 1]
     rows_bucket: int
-    split: int  # 0 when d == 1 (plain gather)
+    split: int  # 0 when d == 1 (plain gather), CHAIN for per-core gathers, else the bond
     merge_macs: int
     macs: int
     peak: int
@@ -78,10 +83,14 @@ class EmbeddingPlan:
     @property
     def equation(self) -> str:
         """The per-row contraction after the gathers (a description)."""
+        if self.split == CHAIN:
+            return "bnr,brms->bnms (per core)"
         return "gather" if self.split == 0 else "bpr,brq->bpq"
 
     @property
     def sizes(self) -> dict[str, int]:
+        if self.split == CHAIN:
+            return {"b": self.rows_bucket, "n": math.prod(self.col_modes), "r": max(self.ranks)}
         if self.split == 0:
             return {"b": self.rows_bucket, "m": self.row_modes[0], "n": self.col_modes[0]}
         _, n_left, rank, _, n_right = self.halves
@@ -89,10 +98,21 @@ class EmbeddingPlan:
 
     @property
     def path(self) -> list[tuple[int, int]]:
+        if self.split == CHAIN:  # ((g1 . g2) . g3) ... over the gathered slices
+            return [(0, 1)] + [(k, len(self.names) + k - 2) for k in range(2, len(self.names))]
         return [] if self.split == 0 else [(0, 1)]
 
     def order_expression(self) -> str:
         names = self.names
+        if self.split == CHAIN:
+            expr = f"gather({names[0]})"
+            for name in names[1:]:
+                expr = (
+                    f"({expr} . gather({name}))"
+                    if name != names[-1]
+                    else f"{expr} . gather({name})"
+                )
+            return expr
         if self.split == 0:
             return f"gather({names[0]})"
         left, right = " . ".join(names[: self.split]), " . ".join(names[self.split :])
@@ -141,12 +161,44 @@ class EmbeddingPlan:
         if self.split == 0:
             table = cores[0].reshape(self.row_modes[0], self.col_modes[0])
             return table.index_select(0, ids)
+        if self.split == CHAIN:
+            return self._chain_lookup(ids, cores)
         left, right = self.tables(cores)
         _, n_left, rank, m_right, n_right = self.halves
         a = left.index_select(0, torch.div(ids, m_right, rounding_mode="floor"))
         b = right.index_select(0, torch.remainder(ids, m_right))
         out = torch.bmm(a.reshape(-1, n_left, rank), b.reshape(-1, rank, n_right))
         return out.reshape(ids.shape[0], n_left * n_right)
+
+    def _chain_lookup(self, ids: Tensor, cores: Sequence[Tensor]) -> Tensor:
+        """Gather each core's slice per id, then one bmm per core along the chain."""
+        m, n = self.row_modes, self.col_modes
+        digits, rest = [], ids
+        for size in reversed(m):  # mixed radix, first mode most significant
+            digits.append(torch.remainder(rest, size))
+            rest = torch.div(rest, size, rounding_mode="floor")
+        digits.reverse()
+        rows = ids.shape[0]
+        acc = cores[0][0].index_select(0, digits[0])  # (b, n_1, r_1)
+        for k in range(1, len(m)):
+            core = cores[k]  # (r, m, n, r')
+            g = core.index_select(1, digits[k]).transpose(0, 1)  # (b, r, n, r')
+            acc = torch.bmm(acc, g.reshape(rows, core.shape[0], -1))
+            acc = acc.reshape(rows, -1, core.shape[3])
+        return acc.reshape(rows, math.prod(n))
+
+
+def chain_costs(
+    row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int], rows: int
+) -> tuple[int, int]:
+    """``(macs, peak)`` of the per-core gather + per-row chain strategy."""
+    n, r = col_modes, ranks
+    macs, width, peak = 0, n[0], rows * n[0] * r[1]
+    for k in range(1, len(n)):
+        macs += rows * width * r[k] * n[k] * r[k + 1]
+        width *= n[k]
+        peak = max(peak, rows * r[k] * n[k] * r[k + 1], rows * width * r[k + 1])
+    return macs, peak
 
 
 def split_costs(
@@ -176,7 +228,9 @@ def _embedding_plan(row_modes, col_modes, ranks, bucket) -> EmbeddingPlan:
             row_modes, col_modes, ranks, bucket, 0, 0, 0, max(size, bucket * col_modes[0])
         )
     costs = split_costs(row_modes, col_modes, ranks, bucket)
-    split = min(costs, key=lambda s: (costs[s][0], s))
+    chain_macs, chain_peak = chain_costs(row_modes, col_modes, ranks, bucket)
+    costs[CHAIN] = (chain_macs, 0, chain_peak)
+    split = min(costs, key=lambda s: (costs[s][0], s != CHAIN, s))
     total, merge, peak = costs[split]
     return EmbeddingPlan(row_modes, col_modes, ranks, bucket, split, merge, total, peak)
 

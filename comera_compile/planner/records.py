@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .costs import evaluate_path
-from .embedding import EmbeddingPlan, split_costs
+from .embedding import CHAIN, EmbeddingPlan, chain_costs, split_costs
 from .network import BATCH, Network
 from .plan import Plan
 
@@ -155,6 +155,8 @@ def _embedding_cost_at(emb: EmbeddingPlan, rows: int) -> tuple[int, int]:
     """Macs and peak of ``emb``'s split for exactly ``rows`` ids."""
     if emb.split == 0:
         return 0, max(emb.row_modes[0] * emb.col_modes[0], rows * emb.col_modes[0])
+    if emb.split == CHAIN:
+        return chain_costs(emb.row_modes, emb.col_modes, emb.ranks, rows)
     total, _, peak = split_costs(emb.row_modes, emb.col_modes, emb.ranks, rows)[emb.split]
     return total, peak
 
