@@ -1,3 +1,22 @@
 """comera_compile: train PyTorch models directly in tensor-train compressed form (CoMERA)."""
 
+from comera_compile import training
+from comera_compile.api import Budget, Summary, load, optimize, plans, save, summary
+from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "Summary",
+    "TTEmbedding",
+    "TTLinear",
+    "TTMLinear",
+    "load",
+    "optimize",
+    "plans",
+    "save",
+    "summary",
+    "training",
+    "__version__",
+]

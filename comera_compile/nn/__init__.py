@@ -1,6 +1,11 @@
 """Tensorized layers: cores + rank gates, forward through a planned contraction."""
 
-from comera_compile.nn.base import LayoutMismatchError, PruneResult, TensorizedLayer
+from comera_compile.nn.base import (
+    LayoutMismatchError,
+    PruneResult,
+    TensorizedLayer,
+    tensorized_layers,
+)
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
@@ -14,4 +19,5 @@ __all__ = [
     "TTLinear",
     "TTMLinear",
     "TensorizedLayer",
+    "tensorized_layers",
 ]

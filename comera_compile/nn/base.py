@@ -192,3 +192,9 @@ class TensorizedLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ranks={self.ranks}, effective={self.effective_ranks()}"
+
+
+def tensorized_layers(model: nn.Module) -> dict[str, TensorizedLayer]:
+    """Every tensorized layer of ``model`` by qualified name (a compiled model is unwrapped)."""
+    model = getattr(model, "_orig_mod", model)
+    return {name: m for name, m in model.named_modules() if isinstance(m, TensorizedLayer)}

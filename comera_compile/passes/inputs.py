@@ -1,0 +1,50 @@
+"""Example inputs come as one tensor, a tuple of positional inputs, or a dict of keyword inputs;
+every pass calls the model the same way, and every error describes them the same way."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def as_call(example_inputs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for ``model(*args, **kwargs)``."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _describe_one(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
+def describe(args: tuple, kwargs: dict) -> str:
+    """``"input 0: (4, 7) float32, attention_mask: (2, 16) int64"``."""
+    parts = [f"input {i}: {_describe_one(a)}" for i, a in enumerate(args)]
+    parts += [f"{k}: {_describe_one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts) or "no inputs"
+
+
+@contextlib.contextmanager
+def quiet_eval(model: nn.Module) -> Iterator[nn.Module]:
+    """Run analysis forwards in eval mode without touching the global RNG.
+
+    Eval mode keeps BatchNorm statistics as they are; each module's own training flag is
+    restored afterwards, so a model that mixes modes comes back the same.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            yield model
+    finally:
+        for module, mode in modes:
+            module.training = mode

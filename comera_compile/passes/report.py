@@ -1,0 +1,151 @@
+"""Report: what optimize did, as a table a person reads and records a program checks.
+
+``optimize`` leaves an ``OptimizeReport`` on the model it returns (``model._comera_report``);
+``summary`` combines it with the live layers, so ranks and effective ranks are current after
+training and pruning. Any model holding our layers can be summarised, report or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from comera_compile.nn import TensorizedLayer, TTEmbedding
+from comera_compile.passes.candidates import Candidate
+from comera_compile.passes.specs import LayerSpec
+
+REPORT_ATTR = "_comera_report"
+
+
+@dataclass
+class OptimizeReport:
+    """Static facts from ``optimize``: how the model was read, what stayed dense and why."""
+
+    capture_path: str
+    capture_reason: str
+    budget: str | None = None
+    rank: int | None = None
+    init: str = "random"
+    before: dict[str, int | None] = field(default_factory=dict)  # params, bytes, macs
+    originals: dict[str, dict[str, Any]] = field(default_factory=dict)  # per swapped layer
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def live_spec(layer: TensorizedLayer) -> LayerSpec:
+    """The spec a built layer has now (after any pruning)."""
+    if isinstance(layer, TTEmbedding):
+        return LayerSpec(layer.format, layer.num_embeddings, layer.embedding_dim,
+                         layer.row_modes, layer.col_modes, tuple(layer.ranks), False)
+    return LayerSpec(layer.format, layer.in_features, layer.out_features, layer.in_modes,
+                     layer.out_modes, tuple(layer.ranks), layer.bias is not None)
+
+
+def _layer_record(name: str, layer: TensorizedLayer, original: dict[str, Any] | None):
+    spec = live_spec(layer)
+    embedding = isinstance(layer, TTEmbedding)
+    if original is None:
+        kind = "Embedding" if embedding else "Linear"
+        bias = 0 if embedding else spec.out_features * spec.bias
+        original = {
+            "original": f"{kind}({spec.in_features}, {spec.out_features})",
+            "params": layer.dense_parameters + bias,
+            "macs_per_row": 0 if embedding else layer.dense_parameters,
+        }
+    after = sum(p.numel() for p in layer.parameters())
+    return {
+        "name": name,
+        "original": original["original"],
+        "format": layer.format,
+        "in_modes": list(spec.in_modes),
+        "out_modes": list(spec.out_modes),
+        "ranks": layer.ranks,
+        "effective_ranks": layer.effective_ranks(),
+        "params_before": original["params"],
+        "params_after": after,
+        "compression": original["params"] / after,
+        "macs_per_row_before": original["macs_per_row"],
+        "macs_per_row_after": spec.macs_per_row(),
+    }
+
+
+@dataclass
+class Summary:
+    """Per-layer records plus model totals; ``str()`` is an aligned table."""
+
+    records: list[dict[str, Any]]
+    params_before: int
+    params_after: int
+    capture_path: str | None = None
+    capture_reason: str | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def compression(self) -> float:
+        return self.params_before / self.params_after
+
+    def __str__(self) -> str:
+        header = ("layer", "original", "format", "modes", "ranks (effective)",
+                  "params", "MACs/row")
+        rows = [header]
+        for r in self.records:
+            sep = " x " if r["format"] == "tt_embedding" else " -> "
+            ranks = str(r["ranks"])
+            if r["effective_ranks"] != r["ranks"]:
+                ranks += f" ({r['effective_ranks']})"
+            rows.append((
+                r["name"], r["original"], r["format"],
+                f"{r['in_modes']}{sep}{r['out_modes']}", ranks,
+                f"{r['params_before']:,} -> {r['params_after']:,} ({r['compression']:.1f}x)",
+                f"{r['macs_per_row_before']:,} -> {r['macs_per_row_after']:,}",
+            ))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = []
+        if self.capture_path:
+            lines.append(f"capture: {self.capture_path} ({self.capture_reason})")
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(
+            f"total parameters: {self.params_before:,} -> {self.params_after:,} "
+            f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized"
+        )
+        if self.skipped:
+            lines.append(f"left dense ({len(self.skipped)}):")
+            lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def summary(model: nn.Module) -> Summary:
+    """Summarise the tensorized layers of ``model`` (after ``optimize`` or built by hand)."""
+    model = getattr(model, "_orig_mod", model)  # under torch.compile
+    report: OptimizeReport | None = getattr(model, REPORT_ATTR, None)
+    originals = report.originals if report else {}
+    records = [
+        _layer_record(name, module, originals.get(name))
+        for name, module in model.named_modules()
+        if isinstance(module, TensorizedLayer)
+    ]
+    after = sum(p.numel() for p in model.parameters())
+    if report and report.before.get("params"):
+        before = report.before["params"]
+    else:
+        before = after + sum(r["params_before"] - r["params_after"] for r in records)
+    return Summary(
+        records, before, after,
+        report.capture_path if report else None,
+        report.capture_reason if report else None,
+        dict(report.skipped) if report else {},
+    )
+
+
+def record_original(cand: Candidate) -> dict[str, Any]:
+    """What the summary prints for the layer before it was swapped."""
+    return {
+        "original": cand.describe(),
+        "params": cand.dense_params,
+        "macs_per_row": 0 if cand.is_embedding else cand.in_features * cand.out_features,
+    }
+

@@ -1,0 +1,248 @@
+"""Select: which layers to tensorize, and at what ranks, to meet a budget.
+
+Greedy by savings, touching as few layers as needed: layers join largest saving first, each
+at the rank cap (``max_rank``, default 30 as in CoMERA) until the budget holds. If every
+eligible layer at the cap is still too big, one common rank is lowered by bisection to the
+largest rank that meets the budget (higher rank = better accuracy). Layers too small to win,
+small classifier heads and anything the user excluded stay dense, each with its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from comera_compile.passes.budget import Budget
+from comera_compile.passes.candidates import CONV1D, LINEAR, Candidate
+from comera_compile.passes.rewrite import new_layer
+from comera_compile.passes.shapes import LayerShape
+from comera_compile.passes.specs import (
+    LINEAR_FORMATS,
+    TT_EMBEDDING,
+    LayerSpec,
+    auto_modes,
+    make_spec,
+)
+from comera_compile.passes.targets import Names, check_layer_config, config_for, user_skip
+
+DEFAULT_MAX_RANK = 30  # the reference's r
+MIN_PARAMS = 4096  # smaller layers stay dense: launch overhead beats any saving
+HEAD_CLASSES = 16  # Linear layers with fewer outputs are classifier heads: kept dense
+MIN_COMPRESSION = 2.0  # below this a slower contraction buys too little memory
+
+
+@dataclass
+class Selection:
+    """What ``select_layers`` decided, with the totals it predicts."""
+
+    chosen: dict[str, tuple[Candidate, LayerSpec]]
+    skipped: dict[str, str]
+    rank: int
+    before: dict[str, int | None]
+    after: dict[str, int | None]
+    limits: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Option:
+    """An eligible layer: its settings and rank cap; ``fixed`` when the user gave ranks."""
+
+    cand: Candidate
+    fmt: str
+    in_modes: tuple[int, ...]
+    out_modes: tuple[int, ...]
+    cap: int
+    shape: LayerShape | None
+    fixed: LayerSpec | None = None
+    forced: bool = False
+
+    def spec(self, rank: int) -> LayerSpec:
+        if self.fixed is not None:
+            return self.fixed
+        return make_spec(self.cand, self.fmt, min(rank, self.cap), self.in_modes, self.out_modes)
+
+    def delta(self, spec: LayerSpec) -> dict[str, int]:
+        """Change of each total when this layer becomes ``spec``."""
+        elsize = self.cand.weight.element_size()
+        change = {
+            "params": spec.params - self.cand.dense_params,
+            "bytes": spec.params * elsize - self.cand.dense_bytes,
+            "macs": 0,
+        }
+        if self.shape is not None:
+            change["macs"] = spec.macs(self.shape.total_rows, self.shape.calls) - dense_macs(
+                self.cand, self.shape
+            )
+        return change
+
+
+def dense_macs(cand: Candidate, shape: LayerShape | None) -> int:
+    if shape is None or cand.is_embedding:
+        return 0
+    return shape.total_rows * cand.in_features * cand.out_features
+
+
+def _format_for(cand: Candidate, requested: str | None, default: str, name: str) -> str:
+    if cand.is_embedding:
+        if requested not in (None, TT_EMBEDDING, "ttm"):
+            raise ValueError(f"layer_config for '{name}': embeddings take format "
+                             f"'{TT_EMBEDDING}', got {requested!r}")
+        return TT_EMBEDDING
+    fmt = requested or default
+    if fmt not in LINEAR_FORMATS:
+        raise ValueError(f"format for '{name}' must be one of {LINEAR_FORMATS}, got {fmt!r}")
+    return fmt
+
+
+def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str) -> _Option:
+    """An option from layer_config, checked by building the layer on the meta device."""
+    fmt = _format_for(cand, cfg.get("format"), default_fmt, cand.name)
+    keys = ("row_modes", "col_modes") if cand.is_embedding else ("in_modes", "out_modes")
+    in_modes, out_modes = cfg.get(keys[0]), cfg.get(keys[1])
+    ranks = cfg.get("ranks", 1)
+    try:
+        probe = new_layer(cand, fmt, ranks, in_modes, out_modes, cfg.get("order"), "meta")
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"layer_config for '{cand.name}': {exc}") from None
+    ins, outs = (probe.row_modes, probe.col_modes) if cand.is_embedding else (
+        probe.in_modes, probe.out_modes)
+    option = _Option(cand, fmt, tuple(ins), tuple(outs), 1, None, forced=True)
+    if "ranks" in cfg:
+        option.fixed = make_spec(cand, fmt, probe.ranks, ins, outs)
+    return option
+
+
+def _rank_cap(option: _Option, max_rank: int | None) -> int:
+    """``max_rank`` if given; else the largest rank <= 30 where the layer stays 2x smaller."""
+    if max_rank is not None:
+        return max_rank
+    lo, hi = 1, DEFAULT_MAX_RANK
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        spec = make_spec(option.cand, option.fmt, mid, option.in_modes, option.out_modes)
+        small = spec.params * MIN_COMPRESSION <= option.cand.dense_params
+        lo, hi = (mid, hi) if small else (lo, mid - 1)
+    return lo
+
+
+def _default_skip(cand: Candidate) -> str | None:
+    if cand.kind in (LINEAR, CONV1D) and cand.out_features < HEAD_CLASSES:
+        return (f"small output head ({cand.out_features} outputs) kept dense for accuracy; "
+                "include it to override")
+    if cand.dense_params < MIN_PARAMS:
+        return f"too small ({cand.dense_params:,} parameters < {MIN_PARAMS:,})"
+    return None
+
+
+def eligible_options(
+    candidates: list[Candidate],
+    shapes: dict[str, LayerShape] | None,
+    called: set[str] | None,
+    include: Names,
+    exclude: Names,
+    filter_fn: Callable[[nn.Module, str], bool] | None,
+    layer_config: dict[str, dict] | None,
+    fmt: str,
+    max_rank: int | None,
+) -> tuple[list[_Option], dict[str, str]]:
+    """The layers that may be tensorized, and why each other layer stays dense."""
+    layer_config = check_layer_config(layer_config)
+    options, skipped = [], {}
+    for cand in candidates:
+        names = (cand.name, *cand.aliases)
+        cfg = config_for(cand.name, layer_config)
+        reason = cand.skip
+        if reason is None and called is not None and not called.intersection(names):
+            reason = "not called in the forward"
+        reason = reason or user_skip(cand.name, cand.module, include, exclude, filter_fn,
+                                     cfg is not None)
+        explicit = cfg is not None or (include is not None)
+        if reason is None and not explicit:
+            reason = _default_skip(cand)
+        if reason is not None:
+            skipped[cand.name] = reason
+            continue
+        if cfg is not None:
+            option = _configured(cand, cfg, fmt)
+        else:
+            layer_fmt = _format_for(cand, None, fmt, cand.name)
+            ins, outs = auto_modes(cand, layer_fmt)
+            option = _Option(cand, layer_fmt, ins, outs, 1, None)
+            smallest = make_spec(cand, layer_fmt, 1, ins, outs).params
+            if smallest * MIN_COMPRESSION > cand.dense_params:
+                skipped[cand.name] = f"less than {MIN_COMPRESSION:g}x smaller even at rank 1"
+                continue
+        option.shape = (shapes or {}).get(cand.name)
+        option.cap = _rank_cap(option, max_rank)
+        options.append(option)
+    return options, skipped
+
+
+def _totals(before: dict, options: list[_Option], rank: int) -> dict[str, int | None]:
+    after = dict(before)
+    for option in options:
+        for metric, change in option.delta(option.spec(rank)).items():
+            if after[metric] is not None:
+                after[metric] += change
+    return after
+
+
+def _meets(totals: dict, limits: dict[str, float]) -> bool:
+    return all(totals[m] <= cap for m, cap in limits.items())
+
+
+def _unreachable(budget: Budget, before: dict, smallest: dict, limits: dict) -> ValueError:
+    share = smallest["params"] / before["params"]
+    parts = [f"{smallest['params']:,} parameters ({share:.1%} of the model)"]
+    if "bytes" in limits:
+        parts.append(f"{smallest['bytes']:,} bytes")
+    if "macs" in limits:
+        parts.append(f"{smallest['macs']:,} multiply-adds")
+    return ValueError(
+        f"no choice of layers meets {budget}: smallest reachable: {', '.join(parts)} with every "
+        "eligible layer at rank 1; raise the budget or include more layers"
+    )
+
+
+def select_layers(
+    options: list[_Option],
+    skipped: dict[str, str],
+    budget: Budget | None,
+    before: dict[str, int | None],
+    max_rank: int | None = None,
+) -> Selection:
+    """Choose layers and a common rank cap so the model meets ``budget`` (all if None)."""
+    cap = max_rank or DEFAULT_MAX_RANK
+    if budget is None:
+        chosen = {o.cand.name: (o.cand, o.spec(cap)) for o in options}
+        return Selection(chosen, skipped, cap, before, _totals(before, options, cap))
+    limits = budget.limits(before["params"], before["bytes"], before["macs"])
+    forced = [o for o in options if o.forced]
+    optional = sorted(
+        (o for o in options if not o.forced),
+        key=lambda o: o.delta(o.spec(cap))["params"],  # most negative = largest saving
+    )
+    picked, rank = None, cap
+    for k in range(len(optional) + 1):
+        trial = forced + optional[:k]
+        if _meets(_totals(before, trial, cap), limits):
+            picked = trial
+            break
+    if picked is None:
+        picked = forced + optional
+        if not _meets(_totals(before, picked, 1), limits):
+            raise _unreachable(budget, before, _totals(before, picked, 1), limits)
+        lo, hi = 1, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if _meets(_totals(before, picked, mid), limits) else (lo, mid - 1)
+        rank = lo
+    picked_ids = {id(o) for o in picked}
+    for option in options:
+        if id(option) not in picked_ids:
+            skipped[option.cand.name] = "not needed to meet the budget"
+    chosen = {o.cand.name: (o.cand, o.spec(rank)) for o in picked}
+    return Selection(chosen, skipped, rank, before, _totals(before, picked, rank), limits)

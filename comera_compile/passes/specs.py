@@ -1,0 +1,120 @@
+"""Layer specs: the format, modes and ranks a candidate would get, and what that costs.
+
+Counting from the formulas (not by building layers) keeps the rank search cheap; the counts
+include everything the built layer holds (cores, one gate per internal rank, bias), so the
+budget the search meets is the budget ``sum(p.numel() for p in model.parameters())`` sees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from comera_compile.formats import (
+    clip_ranks,
+    tt_linear_macs,
+    tt_linear_modes,
+    tt_linear_params,
+    ttm_linear_macs,
+    ttm_modes,
+    ttm_params,
+)
+from comera_compile.passes.candidates import Candidate
+
+TT, TTM, TT_EMBEDDING = "tt", "ttm", "tt_embedding"
+LINEAR_FORMATS = (TT, TTM)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """How one layer is tensorized. ``in_modes``/``out_modes`` are row/col modes for embeddings."""
+
+    format: str
+    in_features: int
+    out_features: int
+    in_modes: tuple[int, ...]
+    out_modes: tuple[int, ...]
+    ranks: tuple[int, ...]  # full list, boundary 1s included
+    bias: bool
+
+    @property
+    def chain_dims(self) -> list[int]:
+        if self.format == TT:
+            return [*self.in_modes, *self.out_modes]
+        return [m * n for m, n in zip(self.in_modes, self.out_modes)]
+
+    @property
+    def params(self) -> int:
+        """Cores + gates + bias: exactly the built layer's parameter count."""
+        if self.format == TT:
+            cores = tt_linear_params(self.in_modes, self.out_modes, self.ranks)
+        elif self.format == TTM:  # cores are (r, out mode, in mode, r)
+            cores = ttm_params(self.out_modes, self.in_modes, self.ranks)
+        else:
+            cores = ttm_params(self.in_modes, self.out_modes, self.ranks)
+        return cores + sum(self.ranks[1:-1]) + (self.out_features if self.bias else 0)
+
+    def macs(self, rows: int, calls: int = 1) -> int:
+        """Forward multiply-adds for ``rows`` input rows over ``calls`` calls."""
+        if self.format == TT:
+            per_row = tt_linear_macs(1, self.in_modes, self.out_modes, self.ranks, False)
+            merge = tt_linear_macs(0, self.in_modes, self.out_modes, self.ranks, True)
+            return rows * per_row + calls * merge
+        if self.format == TTM:
+            return ttm_linear_macs(rows, self.out_modes, self.in_modes, self.ranks)
+        return rows * embedding_macs_per_row(self.out_modes, self.ranks)
+
+    def macs_per_row(self) -> int:
+        """Multiply-adds per input row, leaving out batch-independent core merges."""
+        if self.format == TT:
+            return tt_linear_macs(1, self.in_modes, self.out_modes, self.ranks, False)
+        return self.macs(1)
+
+
+def embedding_macs_per_row(col_modes: Sequence[int], ranks: Sequence[int]) -> int:
+    """Building one row from its gathered core slices ``(r, n_k, r)`` left to right."""
+    macs, width = 0, 1
+    for k, n in enumerate(col_modes):
+        width *= n
+        if k > 0:
+            macs += width * ranks[k] * ranks[k + 1]
+    return macs
+
+
+def auto_modes(
+    cand: Candidate,
+    fmt: str,
+    in_modes: Sequence[int] | None = None,
+    out_modes: Sequence[int] | None = None,
+    order: int | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The modes the layer constructor would pick (user-given modes win)."""
+    if order is None and fmt != TT and (in_modes or out_modes):
+        order = len(in_modes or out_modes)
+    if fmt == TT:
+        auto_in, auto_out = tt_linear_modes(cand.in_features, cand.out_features, order)
+    elif fmt == TTM:
+        auto_out, auto_in = ttm_modes(cand.out_features, cand.in_features, order)
+    else:
+        auto_in, auto_out = ttm_modes(cand.in_features, cand.out_features, order)
+    return tuple(in_modes or auto_in.modes), tuple(out_modes or auto_out.modes)
+
+
+def make_spec(
+    cand: Candidate,
+    fmt: str,
+    rank: int | Sequence[int],
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+) -> LayerSpec:
+    """Spec at a rank cap (an int, clipped per bond) or an explicit full rank list."""
+    spec = LayerSpec(fmt, cand.in_features, cand.out_features, tuple(in_modes),
+                     tuple(out_modes), (), cand.bias and not cand.is_embedding)
+    ranks = clip_ranks(spec.chain_dims, rank) if isinstance(rank, int) else list(rank)
+    return LayerSpec(**{**spec.__dict__, "ranks": tuple(ranks)})
+
+
+def max_useful_rank(spec: LayerSpec) -> int:
+    """The rank cap above which no bond grows (the widest matricization)."""
+    return max(clip_ranks(spec.chain_dims, math.prod(spec.chain_dims)))

@@ -1,0 +1,63 @@
+"""Small test models: an MLP, a CNN with a Linear head, and a DLRM-style recommender."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class MLP(nn.Module):
+    def __init__(self, sizes=(256, 512, 256, 10)) -> None:
+        super().__init__()
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks, then a 1024 -> 256 -> 10 Linear head on 3x32x32 images."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.fc = nn.Linear(16 * 8 * 8, 256)
+        self.head = nn.Linear(256, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.features(x).flatten(1)
+        return self.head(torch.relu(self.fc(x)))
+
+
+class DLRM(nn.Module):
+    """DLRM-style: EmbeddingBag tables for sparse features, a bottom MLP for dense ones, and
+    a top MLP on their concatenation (one large table, as in recommendation models)."""
+
+    def __init__(self, tables=(20000, 1000, 500), dim: int = 32, dense: int = 13) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in tables)
+        self.bottom = nn.Sequential(nn.Linear(dense, 128), nn.ReLU(), nn.Linear(128, dim))
+        width = dim * (len(tables) + 1)
+        self.top = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, 1))
+
+    def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
+        """``dense``: (batch, 13) floats; ``sparse``: (tables, batch, ids per bag) ints."""
+        pooled = [table(ids) for table, ids in zip(self.tables, sparse)]
+        return self.top(torch.cat([self.bottom(dense), *pooled], dim=1)).squeeze(1)
+
+
+def dlrm_batch(model: DLRM, batch: int = 8, bag: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(batch, 13, generator=g)
+    sparse = torch.stack([
+        torch.randint(0, t.num_embeddings, (batch, bag), generator=g) for t in model.tables
+    ])
+    return dense, sparse
