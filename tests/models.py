@@ -26,8 +26,13 @@ class SmallCNN(nn.Module):
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.fc = nn.Linear(16 * 8 * 8, 256)
         self.head = nn.Linear(256, classes)
@@ -57,7 +62,7 @@ class DLRM(nn.Module):
 def dlrm_batch(model: DLRM, batch: int = 8, bag: int = 3, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     dense = torch.randn(batch, 13, generator=g)
-    sparse = torch.stack([
-        torch.randint(0, t.num_embeddings, (batch, bag), generator=g) for t in model.tables
-    ])
+    sparse = torch.stack(
+        [torch.randint(0, t.num_embeddings, (batch, bag), generator=g) for t in model.tables]
+    )
     return dense, sparse

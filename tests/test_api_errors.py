@@ -10,8 +10,11 @@ from comera_compile.passes import parse_budget
 
 
 def test_unreachable_budget_gives_smallest_reachable_size():
-    with pytest.raises(ValueError, match=r"smallest reachable: [\d,]+ parameters \(\d+\.\d% of "
-                                         r"the model\).*rank 1; raise the budget"):
+    with pytest.raises(
+        ValueError,
+        match=r"smallest reachable: [\d,]+ parameters \(\d+\.\d% of "
+        r"the model\).*rank 1; raise the budget",
+    ):
         cc.optimize(MLP(), 0.001)
 
 
@@ -38,15 +41,21 @@ def test_budget_string_error_lists_forms():
 
 
 def test_example_inputs_of_wrong_shape():
-    with pytest.raises(ValueError, match=r"example_inputs do not fit the model \(input 0: \(4, 7\) "
-                                         r"float32\).*module 'net.0' \(Linear\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"example_inputs do not fit the model \(input 0: \(4, 7\) "
+        r"float32\).*module 'net.0' \(Linear\)",
+    ):
         cc.optimize(MLP(), 0.3, example_inputs=torch.randn(4, 7))
 
 
 def test_ranks_larger_than_modes_allow():
     config = {"net.0": {"in_modes": [16, 16], "out_modes": [16, 32], "ranks": [40, 50, 20]}}
-    with pytest.raises(ValueError, match=r"layer_config for 'net.0': ranks \[40, 50, 20\] are "
-                                         r"larger than the modes .* allow"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer_config for 'net.0': ranks \[40, 50, 20\] are "
+        r"larger than the modes .* allow",
+    ):
         cc.optimize(MLP(), layer_config=config)
 
 
@@ -55,11 +64,14 @@ def test_unknown_layer_config_setting():
         cc.optimize(MLP(), layer_config={"net.0": {"rank": 4}})
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"init": "svd"}, "init must be one of"),
-    ({"format": "cp"}, "format must be one of"),
-    ({"max_rank": 0}, "max_rank must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"init": "svd"}, "init must be one of"),
+        ({"format": "cp"}, "format must be one of"),
+        ({"max_rank": 0}, "max_rank must be a positive int"),
+    ],
+)
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cc.optimize(MLP(), **kwargs)

@@ -29,15 +29,28 @@ def ids(vocab, shape=(2, 16), seed=0):
 
 
 def bert():
-    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=256, vocab_size=2000, max_position_embeddings=128,
-                        num_labels=3)
+    config = BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        vocab_size=2000,
+        max_position_embeddings=128,
+        num_labels=3,
+    )
     return BertForSequenceClassification(config)
 
 
 def gpt2():
-    config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=2000, n_positions=128,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        vocab_size=2000,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -62,12 +75,22 @@ def _cases():
         ("mlp", MLP, x_mlp, lambda m: F.cross_entropy(m(x_mlp), y_mlp), 0.2),
         ("cnn", SmallCNN, x_cnn, lambda m: F.cross_entropy(m(x_cnn), y_mlp[:4]), 0.3),
         ("encoder", transformer_encoder, x_enc, lambda m: m(x_enc).square().mean(), 0.5),
-        ("six", lambda: SixEncoderClassifier(SMALL_SIX), six_ids,
-         lambda m: F.cross_entropy(m(six_ids), labels), 0.1),
+        (
+            "six",
+            lambda: SixEncoderClassifier(SMALL_SIX),
+            six_ids,
+            lambda m: F.cross_entropy(m(six_ids), labels),
+            0.1,
+        ),
         ("bert", bert, bert_ids, lambda m: m(bert_ids, labels=labels).loss, 0.2),
         ("gpt2", gpt2, gpt_ids, lambda m: m(gpt_ids, labels=gpt_ids).loss, 0.8),
-        ("dlrm", lambda: dlrm_model, dlrm_in,
-         lambda m: F.binary_cross_entropy_with_logits(m(*dlrm_in), torch.ones(8)), 0.1),
+        (
+            "dlrm",
+            lambda: dlrm_model,
+            dlrm_in,
+            lambda m: F.binary_cross_entropy_with_logits(m(*dlrm_in), torch.ones(8)),
+            0.1,
+        ),
     ]
 
 
@@ -119,8 +142,7 @@ def test_dense_init_at_full_rank_is_exact(name):
 
 
 def test_caller_model_is_untouched_and_capture_paths_reported():
-    for factory, inputs, path in ((MLP, torch.randn(4, 256), "fx"),
-                                  (bert, ids(2000), "export")):
+    for factory, inputs, path in ((MLP, torch.randn(4, 256), "fx"), (bert, ids(2000), "export")):
         model = factory()
         before = {k: v.clone() for k, v in model.state_dict().items()}
         result = cc.optimize(model, 0.3, example_inputs=inputs)
@@ -194,8 +216,11 @@ def test_load_into_fresh_model_resizes_ranks(tmp_path):
 def test_load_into_model_of_other_modes_names_both_layouts(tmp_path):
     cc.save(cc.optimize(MLP(), 0.3), tmp_path)
     other = cc.optimize(MLP(), 0.3, format="ttm")
-    with pytest.raises(LayoutMismatchError, match=r"checkpoint layout .*'tt'.* does not fit "
-                                                  r"this layer's layout .*'ttm'"):
+    with pytest.raises(
+        LayoutMismatchError,
+        match=r"checkpoint layout .*'tt'.* does not fit "
+        r"this layer's layout .*'ttm'",
+    ):
         cc.load(tmp_path, model=other)
 
 

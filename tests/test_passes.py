@@ -30,15 +30,18 @@ def n_params(model):
 
 
 # ----- budget ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, expected", [
-    (0.05, Budget(fraction=0.05)),
-    (1_500_000, Budget(params=1_500_000)),
-    ("20MB", Budget(bytes=20_000_000)),
-    ("512KiB", Budget(bytes=524_288)),
-    ("1.5GB", Budget(bytes=1_500_000_000)),
-    ("5%", Budget(fraction=0.05)),
-    ("40x", Budget(ratio=40.0)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (0.05, Budget(fraction=0.05)),
+        (1_500_000, Budget(params=1_500_000)),
+        ("20MB", Budget(bytes=20_000_000)),
+        ("512KiB", Budget(bytes=524_288)),
+        ("1.5GB", Budget(bytes=1_500_000_000)),
+        ("5%", Budget(fraction=0.05)),
+        ("40x", Budget(ratio=40.0)),
+    ],
+)
 def test_parse_budget_forms(text, expected):
     assert parse_budget(text) == expected
 
@@ -114,8 +117,9 @@ def test_candidates_tied_direct_and_aliases():
 
 def test_shared_module_swapped_under_every_name():
     model = TiedLM()
-    result = cc.optimize(model, example_inputs=torch.randint(0, 1000, (2, 5)),
-                         include=["proj"], inplace=True)
+    result = cc.optimize(
+        model, example_inputs=torch.randint(0, 1000, (2, 5)), include=["proj"], inplace=True
+    )
     assert result is model and cc.summary(model).capture_path == "export"
     assert isinstance(model.proj, TTLinear) and model.shared is model.proj
     assert model.head.weight is model.embed.weight  # tie kept, both dense
@@ -139,9 +143,17 @@ def test_spec_counts_match_built_layer(fmt, rank):
 def _select(model, budget, **kwargs):
     cands = find_candidates(model)
     before = {"params": n_params(model), "bytes": 4 * n_params(model), "macs": None}
-    options, skipped = eligible_options(cands, None, None, kwargs.get("include"),
-                                        kwargs.get("exclude"), None, kwargs.get("layer_config"),
-                                        "tt", kwargs.get("max_rank"))
+    options, skipped = eligible_options(
+        cands,
+        None,
+        None,
+        kwargs.get("include"),
+        kwargs.get("exclude"),
+        None,
+        kwargs.get("layer_config"),
+        "tt",
+        kwargs.get("max_rank"),
+    )
     return select_layers(options, skipped, parse_budget(budget), before, kwargs.get("max_rank"))
 
 
@@ -168,12 +180,15 @@ def test_include_exclude_filter_and_layer_config():
     model = MLP((256, 512, 256, 10))
     assert list(_select(model, None, exclude=["net.0"]).chosen) == ["net.2"]
     assert list(_select(model, None, include=r"net\.(0|4)").chosen) == ["net.0", "net.4"]
-    config = {"net.*": {"format": "ttm", "ranks": 4, "in_modes": [16, 16],
-                        "out_modes": [16, 32]}}
+    config = {"net.*": {"format": "ttm", "ranks": 4, "in_modes": [16, 16], "out_modes": [16, 32]}}
     sel = _select(model, None, layer_config={"net.0": config["net.*"]})
     spec = sel.chosen["net.0"][1]
     assert (spec.format, spec.in_modes, spec.out_modes, max(spec.ranks)) == (
-        "ttm", (16, 16), (16, 32), 4)
+        "ttm",
+        (16, 16),
+        (16, 32),
+        4,
+    )
     filtered = cc.optimize(model, filter_fn=lambda m, name: name != "net.2")
     assert not isinstance(filtered.get_submodule("net.2"), TTLinear)
     assert cc.summary(filtered).skipped["net.2"] == "filter_fn returned False"
@@ -195,7 +210,12 @@ def test_rewrite_keeps_graph_targets_and_dtype():
     spec = make_spec(cand, "tt", 4, *auto_modes(cand, "tt"))
     rewrite(gm, {"net.0": (cand, spec)})
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == [
-        "net.0", "net.1", "net.2", "net.3", "net.4"]
+        "net.0",
+        "net.1",
+        "net.2",
+        "net.3",
+        "net.4",
+    ]
     assert isinstance(gm.get_submodule("net.0"), TTLinear)
     assert gm.get_submodule("net.0").cores[0].dtype == torch.float64
     assert gm(torch.randn(3, 256, dtype=torch.float64)).dtype == torch.float64

@@ -1,0 +1,46 @@
+"""Rank-adaptive training (CoMERA): penalty, two stages, pruning with optimizer state,
+history and plots. Pieces that drop into a plain PyTorch training loop."""
+
+from comera_compile.training.groups import param_groups
+from comera_compile.training.history import History
+from comera_compile.training.penalty import (
+    core_l2,
+    effective_ranks,
+    model_size,
+    rank_penalty,
+    soft_size,
+    tensorized_compression,
+    tensorized_layers,
+)
+from comera_compile.training.plots import plot_compression, plot_ranks
+from comera_compile.training.pruning import prune_model, slice_optimizer_state
+from comera_compile.training.schedule import (
+    EARLY,
+    LATE,
+    Plateau,
+    late_stage_loss,
+    size_weight,
+)
+from comera_compile.training.trainer import RankAdaptiveTrainer
+
+__all__ = [
+    "EARLY",
+    "LATE",
+    "History",
+    "Plateau",
+    "RankAdaptiveTrainer",
+    "core_l2",
+    "effective_ranks",
+    "late_stage_loss",
+    "model_size",
+    "param_groups",
+    "plot_compression",
+    "plot_ranks",
+    "prune_model",
+    "rank_penalty",
+    "size_weight",
+    "slice_optimizer_state",
+    "soft_size",
+    "tensorized_compression",
+    "tensorized_layers",
+]

@@ -48,10 +48,16 @@ def rank_penalty(model: nn.Module, weight: float = 0.01, l2_weight: float = 0.0)
             total = total + (gate.abs() * mask).sum()
             count = count + mask.sum()  # a tensor: no host sync per gate
     penalty = weight * total / count.clamp(min=1)
-    if l2_weight:
-        squares = sum(core.pow(2).sum() for layer in _layers(model) for core in layer.cores)
-        penalty = penalty + l2_weight * squares
-    return penalty
+    return penalty + l2_weight * core_l2(model) if l2_weight else penalty
+
+
+def core_l2(model: nn.Module) -> Tensor:
+    """Sum of squared core entries over all tensorized layers."""
+    total = _zero(model)
+    for layer in _layers(model):
+        for core in layer.cores:
+            total = total + core.pow(2).sum()
+    return total
 
 
 def soft_ranks(layer: TensorizedLayer) -> list[Tensor]:
@@ -71,15 +77,32 @@ def soft_size(model: nn.Module) -> Tensor:
     return total
 
 
-def model_size(model: nn.Module, in_bytes: bool = False) -> int:
-    """Parameters (or bytes) the model needs once dead rank channels are dropped."""
+def effective_ranks(model: nn.Module) -> dict[str, list[int]]:
+    """Effective rank list of every tensorized layer, read with one device-to-host copy."""
+    layers = tensorized_layers(model)
+    counts = [alive(g, layer.threshold).sum() for _, layer in layers for g in layer.gates]
+    flat = torch.stack(counts).tolist() if counts else []
+    ranks, i = {}, 0
+    for name, layer in layers:
+        n = len(layer.gates)
+        ranks[name] = [1, *(int(c) for c in flat[i : i + n]), 1]
+        i += n
+    return ranks
+
+
+def model_size(
+    model: nn.Module, in_bytes: bool = False, ranks: dict[str, list[int]] | None = None
+) -> int:
+    """Parameters (or bytes) the model needs once dead rank channels are dropped.
+
+    ``ranks`` (from ``effective_ranks``) saves reading the gates again.
+    """
+    ranks = effective_ranks(model) if ranks is None else ranks
     seen: set[int] = set()
     size = 0
-    for layer in _layers(model):
-        ranks = layer.effective_ranks()
-        params = layer.num_core_parameters(ranks) + sum(ranks[1:-1])
-        item = layer.cores[0].element_size() if in_bytes else 1
-        size += params * item
+    for name, layer in tensorized_layers(model):
+        params = layer.num_core_parameters(ranks[name]) + sum(ranks[name][1:-1])
+        size += params * (layer.cores[0].element_size() if in_bytes else 1)
         seen.update(id(p) for p in (*layer.cores, *layer.gates))
     for p in model.parameters():
         if id(p) not in seen:
@@ -88,10 +111,11 @@ def model_size(model: nn.Module, in_bytes: bool = False) -> int:
     return size
 
 
-def tensorized_compression(model: nn.Module) -> float:
+def tensorized_compression(model: nn.Module, ranks: dict[str, list[int]] | None = None) -> float:
     """Dense weight parameters over core parameters at the effective ranks, over all
     tensorized layers together (biases and gates excluded, as ``compression_ratio``)."""
-    layers = _layers(model)
-    dense = sum(layer.dense_parameters for layer in layers)
-    cores = sum(layer.num_core_parameters(layer.effective_ranks()) for layer in layers)
+    ranks = effective_ranks(model) if ranks is None else ranks
+    layers = tensorized_layers(model)
+    dense = sum(layer.dense_parameters for _, layer in layers)
+    cores = sum(layer.num_core_parameters(ranks[name]) for name, layer in layers)
     return dense / cores if cores else 1.0

@@ -1,0 +1,88 @@
+"""The ``comera`` torch.compile backend (registered as a ``torch_dynamo_backends`` entry point,
+so ``torch.compile(model, backend="comera")`` works in a process that never imported us).
+
+Design: the layers already contract through plain torch ops; what compile needs from us is
+that planning stays out of the trace and that each shape gets its own plan. While dynamo
+traces, every TT/TTM linear and TT embedding routes its contraction through one
+``comera::`` custom op (see ``ops.py``), so the graph this backend receives holds one
+recognisable node per tensorized layer. The backend
+
+1. finds those nodes (none: one warning per process, then plain inductor);
+2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
+   so the plans picked while lowering use them);
+3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
+   plan's pairwise program for the static row count of this graph (dynamo compiles one
+   graph per batch size, and the op specialises a symbolic one, so each batch size gets the
+   plan of its bucket), inductor fuses it with the rest of the model and, on CUDA, runs it
+   under CUDA Graph trees; a new shape or a pruned rank is a new graph, hence a new recording.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from comera_compile.compile.ops import CONTRACT, TENSORIZED_OPS
+from comera_compile.compile.options import BackendOptions, parse_options
+
+_warned_plain = False
+
+
+def tensorized_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's tensorized contractions (one node per TT layer call)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in TENSORIZED_OPS]
+
+
+def _apply_plan_options(nodes: list[fx.Node], opts: BackendOptions) -> None:
+    """Override the objective / autotune arguments of the contraction nodes in place."""
+    for node in nodes:
+        if node.target is not CONTRACT:
+            continue
+        args = list(node.args)
+        if opts.objective is not None:
+            args[5] = opts.objective
+        if opts.autotune is not None:
+            args[6] = opts.autotune
+        node.args = tuple(args)
+
+
+def _warn_plain() -> None:
+    global _warned_plain
+    if _warned_plain:
+        return
+    _warned_plain = True
+    warnings.warn(
+        "comera backend: this graph has no tensorized contraction (TTLinear, TTMLinear, "
+        "TTEmbedding), compiling it with plain inductor; use comera_compile.optimize(model) "
+        "to tensorize the model first",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def _on_cuda(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
+def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
+    """Compile one dynamo graph: tune its tensorized contractions, then inductor."""
+    opts = parse_options(kwargs.get("options"), kwargs.get("mode"))
+    nodes = tensorized_nodes(gm)
+    if nodes:
+        _apply_plan_options(nodes, opts)
+        gm.recompile()
+    else:
+        _warn_plain()
+    if not opts.inductor:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else _on_cuda(example_inputs)
+    config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
+    return compile_fx(gm, example_inputs, config_patches=config)

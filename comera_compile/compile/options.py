@@ -1,0 +1,70 @@
+"""Options of the ``comera`` backend, checked at the door.
+
+``torch.compile(model, backend="comera", options={...})`` passes the dict here. Our own keys
+are popped; every other key must be an inductor config entry and is forwarded to it, so
+one options dict serves both layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch._inductor.config as inductor_config
+
+from comera_compile.planner import parse_objective
+
+OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor")
+
+
+@dataclass
+class BackendOptions:
+    """``cudagraphs``: run under CUDA Graph trees (None: on when the graph runs on CUDA).
+    ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
+    keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels; for
+    debugging a numerical difference). ``config``: inductor config patches."""
+
+    cudagraphs: bool | None = None
+    autotune: bool | None = None
+    objective: str | None = None
+    inductor: bool = True
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _flag(name: str, value: Any, allow_none: bool = True) -> bool | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        raise TypeError(f"comera option {name!r} must be a bool, got {value!r}")
+    return value
+
+
+def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> BackendOptions:
+    """Validate ``options`` (and torch.compile's ``mode``) into :class:`BackendOptions`."""
+    options = dict(options or {})
+    out = BackendOptions(
+        cudagraphs=_flag("cudagraphs", options.pop("cudagraphs", None)),
+        autotune=_flag("autotune", options.pop("autotune", None)),
+        inductor=bool(_flag("inductor", options.pop("inductor", True), allow_none=False)),
+    )
+    objective = options.pop("objective", None)
+    if objective is not None:
+        if not isinstance(objective, str):
+            raise TypeError(f"comera option 'objective' must be a str, got {objective!r}")
+        parse_objective(objective)  # raises with the valid names
+        out.objective = objective
+    config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    if "triton.cudagraphs" in config and out.cudagraphs is None:
+        out.cudagraphs = bool(config["triton.cudagraphs"])
+    config.pop("triton.cudagraphs", None)  # decided per graph, from the device
+    known = set(inductor_config.get_config_copy())
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ValueError(
+            f"unknown comera backend options {unknown}; the backend's own options are "
+            f"{list(OWN_KEYS)}, and any other key must be a torch._inductor.config entry"
+        )
+    config.update(options)
+    out.config = config
+    return out

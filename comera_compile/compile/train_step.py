@@ -1,0 +1,179 @@
+"""Whole training step capture: forward, backward and optimizer step as one CUDA Graph.
+
+A TT model runs many small kernels per step (a few per core pair, per layer), so on a GPU
+the launch overhead, not the arithmetic, sets the step time; replaying one recorded graph
+removes it, as the method's reference does. On CPU there is no graph to record: the same
+callable runs the forward + loss compiled with the ``comera`` backend, then backward and
+the optimizer step eagerly, so training code is the same on both.
+
+Recording needs fixed memory: the batch is copied into static buffers, gradients and the
+optimizer state live at fixed addresses (AdamW with ``capturable=True``) and parameter
+shapes must not change. Pruning ranks does change them, so every call compares the
+parameter shapes with the recorded ones and records again when they differ (or call
+``rerecord()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+
+
+def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Switch an optimizer that supports it to on-device step counters (no host sync)."""
+    for group in optimizer.param_groups:
+        if "capturable" not in group:
+            raise ValueError(
+                f"{type(optimizer).__name__} cannot run inside a CUDA Graph; use an optimizer "
+                "with a 'capturable' option (Adam, AdamW, ...)"
+            )
+        group["capturable"] = True
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            step = state.get("step")
+            if isinstance(step, Tensor) and step.device != p.device:
+                state["step"] = step.to(p.device)
+
+
+class _Snapshot:
+    """Parameters and optimizer state before warm-up, so warm-up steps leave no trace."""
+
+    def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        self.params = [p.detach().clone() for p in params]
+        self.state = {
+            p: {k: v.clone() for k, v in s.items() if isinstance(v, Tensor)}
+            for p, s in optimizer.state.items()
+        }
+
+    @torch.no_grad()
+    def restore(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        for p, saved in zip(params, self.params):
+            p.copy_(saved)
+        for p, state in optimizer.state.items():
+            saved = self.state.get(p, {})
+            for k, v in state.items():
+                if isinstance(v, Tensor):  # state born in warm-up goes back to "fresh": zeros
+                    v.copy_(saved[k]) if k in saved else v.zero_()
+
+
+class TrainStep:
+    """``step(batch) -> loss``: one training step, replayed from a CUDA Graph on CUDA.
+
+    ``loss_fn(model, batch)`` returns the scalar loss. On CUDA the returned loss is a static
+    tensor overwritten by the next call (``.item()`` or ``.clone()`` it to keep it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        example_batch: Any,
+        warmup: int = 3,
+        compile: bool | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        self.cuda = self.params[0].is_cuda
+        self.warmup = max(1, int(warmup))
+        compile = (not self.cuda) if compile is None else compile
+        self._forward = self._compiled_forward() if compile else self._eager_forward
+        self.records = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._static: list[Any] = []
+        self._spec = None
+        self._loss: Tensor | None = None
+        self._signature: tuple = ()
+        if self.cuda:
+            _make_capturable(optimizer)
+            self._record(example_batch)
+
+    def _eager_forward(self, batch: Any) -> Tensor:
+        return self.loss_fn(self.model, batch)
+
+    def _compiled_forward(self) -> Callable[[Any], Tensor]:
+        options = {"cudagraphs": False} if self.cuda else None  # the step graph records it all
+        return torch.compile(self._eager_forward, backend="comera", dynamic=False, options=options)
+
+    # ----- the step ---------------------------------------------------------------------
+    def __call__(self, batch: Any) -> Tensor:
+        if not self.cuda:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._forward(batch)
+            loss.backward()
+            self.optimizer.step()
+            return loss.detach()
+        flat, spec = tree_flatten(batch)
+        if self._graph is None or self._signature != self._current_signature(flat, spec):
+            self._record(batch)
+        for buffer, value in zip(self._static, flat):
+            if isinstance(buffer, Tensor):
+                buffer.copy_(value, non_blocking=True)
+        self._graph.replay()
+        return self._loss
+
+    def rerecord(self) -> None:
+        """Drop the recorded graph; the next call records a new one (after pruning, say)."""
+        self._graph = None
+        self._loss = None
+
+    # ----- recording --------------------------------------------------------------------
+    def _current_signature(self, flat: list[Any], spec) -> tuple:
+        batch = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t for t in flat)
+        params = tuple(tuple(p.shape) for p in self.model.parameters())
+        return spec, batch, params
+
+    def _record(self, batch: Any) -> None:
+        self._graph = self._loss = None
+        flat, spec = tree_flatten(batch)
+        self._static = [t.detach().clone() if isinstance(t, Tensor) else t for t in flat]
+        self._spec = spec
+        static_batch = tree_unflatten(self._static, spec)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        snapshot = _Snapshot(self.params, self.optimizer)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):  # plans, lazy optimizer state, compiled kernels
+                self.optimizer.zero_grad(set_to_none=True)
+                self._forward(static_batch).backward()
+                self.optimizer.step()
+        torch.cuda.current_stream().wait_stream(side)
+        snapshot.restore(self.params, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = self._forward(static_batch)
+            loss.backward()
+            self.optimizer.step()
+        self._graph, self._loss = graph, loss.detach()
+        self._signature = self._current_signature(self._static, spec)
+        self.records += 1
+
+
+def capture_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    example_batch: Any,
+    warmup: int = 3,
+    compile: bool | None = None,
+) -> TrainStep:
+    """A callable ``step(batch) -> loss`` that runs forward, backward and ``optimizer.step()``.
+
+    On CUDA: recorded as one CUDA Graph after ``warmup`` steps on a side stream (whose
+    effect on parameters and optimizer state is undone), replayed on each call, recorded
+    again when the batch layout or a parameter shape changes. The optimizer is switched to
+    ``capturable=True``. On CPU: the forward + loss is compiled with the ``comera`` backend.
+    ``compile`` (default: on for CPU, off for CUDA, where the graph already removes the
+    launch overhead) compiles the forward + loss with the backend in both cases.
+    """
+    return TrainStep(model, optimizer, loss_fn, example_batch, warmup=warmup, compile=compile)

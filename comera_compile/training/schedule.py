@@ -1,0 +1,64 @@
+"""The two stages of CoMERA training and the rules that move between them.
+
+Early stage: task loss plus a small gate penalty, for stable convergence. Late stage:
+each step optimise whichever of task loss ``L`` and model size ``S`` is relatively
+further from its target (the reference's switch rule), with a little of both always on:
+``loss = 0.1 L + 0.01 R + lam R + (1 - lam) L``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+EARLY, LATE = "early", "late"
+
+
+def size_weight(task_loss: float, task_target: float, size: float, size_target: float) -> float:
+    """``lam = 1[(L - L_t) / L < (S - S_t) / S]``: 1 when size is relatively further off."""
+    task_gap = (task_loss - task_target) / max(task_loss, 1e-12)
+    size_gap = (size - size_target) / max(size, 1e-12)
+    return 1.0 if task_gap < size_gap else 0.0
+
+
+def late_stage_loss(task_loss: Tensor, size_term: Tensor, lam: float) -> Tensor:
+    """The reference's late-stage objective for one step."""
+    return 0.1 * task_loss + 0.01 * size_term + lam * size_term + (1.0 - lam) * task_loss
+
+
+class Plateau:
+    """EMA of the task loss, and whether it has stopped improving.
+
+    The EMA smooths batch noise; a plateau is ``patience`` steps without the EMA dropping
+    below ``(1 - min_delta)`` of its best value. ``patience=None`` never reports one.
+    """
+
+    def __init__(self, patience: int | None = None, beta: float = 0.98, min_delta: float = 1e-3):
+        self.patience, self.beta, self.min_delta = patience, beta, min_delta
+        self.ema: float | None = None
+        self.best = float("inf")
+        self.since_best = 0
+        self.count = 0
+
+    def update(self, value: float) -> bool:
+        """Fold in one loss value; return True when the loss has plateaued."""
+        self.count += 1
+        if self.ema is None:
+            self.ema = value
+        else:
+            self.ema = self.beta * self.ema + (1 - self.beta) * value
+        # The EMA is biased towards its first value for ~1/(1-beta) steps; don't judge yet.
+        if self.count < 1 / (1 - self.beta):
+            return False
+        if self.ema < self.best * (1 - self.min_delta):
+            self.best, self.since_best = self.ema, 0
+        else:
+            self.since_best += 1
+        return self.patience is not None and self.since_best >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)

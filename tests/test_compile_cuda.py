@@ -1,0 +1,176 @@
+"""The ``comera`` backend and the captured train step on CUDA: CUDA Graph replay equals
+eager, pruning re-records, and a replayed step never waits on the host."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_compile.compile as cc
+from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
+from comera_compile.nn import TTEmbedding, TTLinear
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _exact_cuda():
+    """No TF32, fresh dynamo caches: compare against eager at fp32 precision."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    torch.cuda.set_sync_debug_mode(0)
+
+
+def six_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    config = SixEncoderConfig(
+        vocab_size=1000, hidden=96, ffn=384, heads=4, layers=2, max_position=64, dropout=0.0
+    )
+    model = SixEncoderClassifier(config)
+    for layer in model.layers:
+        for name in ("query", "key", "value", "out"):
+            setattr(layer.attention, name, TTLinear(96, 96, ranks=6))
+        layer.ffn.fc_in = TTLinear(96, 384, ranks=6)
+        layer.ffn.fc_out = TTLinear(384, 96, ranks=6)
+    model.fc1 = TTLinear(96, 96, ranks=6)
+    model.word_embeddings = TTEmbedding(1000, 96, ranks=8)
+    return model.to(DEVICE)
+
+
+def batch(rows: int = 4, seq: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (rows, seq), generator=g)
+    labels = torch.randint(0, 3, (rows,), generator=g)
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def loss_fn(model, data):
+    ids, labels = data
+    return F.cross_entropy(model(ids), labels)
+
+
+def prune_half_of_first_bond(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Switch off half of every TT layer's first bond, prune, slice AdamW's state to match."""
+    removed = 0
+    for module in model.modules():
+        if not isinstance(module, (TTLinear, TTEmbedding)):
+            continue
+        with torch.no_grad():
+            gate = module.gates[0]
+            gate[: gate.numel() // 2] = 0.0
+        result = module.prune_ranks()
+        removed += result.total_removed
+        for param, dim, index in result.slices:
+            state = optimizer.state.get(param, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].index_select(dim, index)
+    return removed
+
+
+def test_backend_replay_equals_eager_and_rerecords_on_new_shapes():
+    model = six_encoder().eval()
+    compiled = torch.compile(model, backend="comera")
+    torch._dynamo.utils.counters.clear()
+    for rows in (4, 8, 4):  # the third call replays the first recording
+        ids, _ = batch(rows)
+        with torch.no_grad():
+            want = model(ids)
+            got = compiled(ids).clone()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    prune_half_of_first_bond(model, torch.optim.AdamW(model.parameters()))
+    ids, _ = batch(4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).clone(), model(ids), rtol=1e-4, atol=1e-5)
+
+
+def test_backend_gradients_match_eager_under_cudagraphs():
+    model = six_encoder()
+    compiled = torch.compile(model, backend="comera", options={"cudagraphs": True})
+    ids, labels = batch(4)
+    grads = []
+    for fn in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(fn(ids), labels).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_captured_step_equals_eager_steps():
+    eager_model = six_encoder()
+    graph_model = copy.deepcopy(eager_model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3, weight_decay=0.0)
+    graph_opt = torch.optim.AdamW(graph_model.parameters(), lr=1e-3, weight_decay=0.0)
+    step = cc.capture_train_step(graph_model, graph_opt, loss_fn, batch(4, seed=0))
+    assert step.records == 1
+    assert all(group["capturable"] for group in graph_opt.param_groups)
+    # warm-up steps were undone: both models start from the same parameters
+    for p, q in zip(eager_model.parameters(), graph_model.parameters()):
+        torch.testing.assert_close(q, p)
+    for seed in range(3):
+        data = batch(4, seed=seed)
+        eager_opt.zero_grad(set_to_none=True)
+        want = loss_fn(eager_model, data)
+        want.backward()
+        eager_opt.step()
+        got = step(data).clone()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+    assert step.records == 1
+    for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_pruning_rerecords_the_step_automatically():
+    model = six_encoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    step = cc.capture_train_step(model, optimizer, loss_fn, batch(4))
+    for seed in range(2):
+        step(batch(4, seed=seed))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert prune_half_of_first_bond(model, optimizer) > 0
+    assert [tuple(p.shape) for p in model.parameters()] != shapes
+    data = batch(4, seed=5)
+    with torch.no_grad():
+        want = loss_fn(model, data)  # the loss before this step's update
+    got = step(data).clone()
+    assert step.records == 2
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert float(loss_fn(model, data)) < float(want)  # the replayed step did update
+    step.rerecord()
+    step(data)
+    assert step.records == 3
+
+
+def test_replayed_step_never_syncs_with_the_host():
+    model = six_encoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    step = cc.capture_train_step(model, optimizer, loss_fn, batch(4))
+    data = [batch(4, seed=s) for s in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [step(d).clone() for d in data]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert step.records == 1
+    assert all(torch.isfinite(loss).item() for loss in losses)
+
+
+def test_compiled_captured_step_trains():
+    model = six_encoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    data = batch(8)
+    step = cc.capture_train_step(model, optimizer, loss_fn, data, compile=True)
+    losses = [step(data).item() for _ in range(10)]
+    assert losses[-1] < losses[0]
