@@ -50,21 +50,11 @@ def _check_arguments(model, init, format, max_rank, objective) -> None:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     if format not in LINEAR_FORMATS:
         raise ValueError(f"format must be one of {LINEAR_FORMATS}, got {format!r}")
-    if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, int)
-                                 or max_rank < 1):
+    if max_rank is not None and (
+        isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1
+    ):
         raise ValueError(f"max_rank must be a positive int or None, got {max_rank!r}")
     parse_objective(objective)
-
-
-def _maybe_compile(model: nn.Module) -> nn.Module:
-    """``torch.compile(backend="comera")`` when that backend loads; eager otherwise."""
-    try:
-        from torch._dynamo import lookup_backend
-
-        lookup_backend("comera")
-    except Exception:  # backend not built yet, or failed to import: stay eager
-        return model
-    return torch.compile(model, backend="comera")
 
 
 def optimize(
@@ -79,7 +69,7 @@ def optimize(
     init: str = "random",
     format: str = "tt",
     max_rank: int | None = None,
-    compile: bool = False,
+    compile: bool = True,
     autotune: bool = False,
     inplace: bool = False,
     objective: str = "combo",
@@ -92,6 +82,10 @@ def optimize(
     the forward: layers it never calls stay dense, and flops budgets become possible.
     ``init="dense"`` starts from a TT-SVD of the current weights (for pretrained models);
     ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
+    ``compile=True`` (the default) wraps the result in ``torch.compile(backend="comera")``
+    (compiled on the first call, once per batch size and per rank change); ``compile=False``
+    returns the eager module. ``autotune=True`` times the best few contraction orders of
+    each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
     """
     _check_arguments(model, init, format, max_rank, objective)
     budget = parse_budget(budget)
@@ -114,12 +108,21 @@ def optimize(
         shapes = propagate_shapes(target, example_inputs, {c.name for c in candidates})
         called = shapes.called
     elif captured.path == MODULES and budget is not None and budget.flops is not None:
-        raise ValueError("a flops budget needs example_inputs; the model could not be traced "
-                         "either, so pass example_inputs or make the model traceable")
+        raise ValueError(
+            "a flops budget needs example_inputs; the model could not be traced "
+            "either, so pass example_inputs or make the model traceable"
+        )
     before = _totals(target, shapes.total_macs if shapes else None)
     options, skipped = eligible_options(
-        candidates, shapes.layers if shapes else None, called, include, exclude, filter_fn,
-        layer_config, format, max_rank,
+        candidates,
+        shapes.layers if shapes else None,
+        called,
+        include,
+        exclude,
+        filter_fn,
+        layer_config,
+        format,
+        max_rank,
     )
     selection = select_layers(options, skipped, budget, before, max_rank)
     rewrite(target, selection.chosen, init)
@@ -127,13 +130,21 @@ def optimize(
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective
     report = OptimizeReport(
-        captured.path, captured.reason, None if budget is None else str(budget),
-        selection.rank, init, before,
+        captured.path,
+        captured.reason,
+        None if budget is None else str(budget),
+        selection.rank,
+        init,
+        before,
         {name: record_original(cand) for name, (cand, _) in selection.chosen.items()},
         selection.skipped,
     )
     setattr(target, REPORT_ATTR, report)
-    return _maybe_compile(target) if compile else target
+    if not compile:
+        return target
+    from comera_compile.compile import compile_model  # imports inductor: only when asked
+
+    return compile_model(target)
 
 
 def plans(

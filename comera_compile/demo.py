@@ -57,9 +57,9 @@ def train(model, optimizer, task, steps, batch, seed, trainer=None, log_every=50
     return times
 
 
-def run_demo(steps: int = 300, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
+def run_demo(steps: int = 600, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
     torch.manual_seed(seed)
-    task = PairTask(vocab_size=8192, premise_len=12, hypothesis_len=4)
+    task = PairTask(vocab_size=8192, sentence_len=8)
     config = SixEncoderConfig(
         vocab_size=task.vocab_size, hidden=256, ffn=1024, heads=4, layers=2,
         max_position=task.seq_len, dropout=0.0,
@@ -77,7 +77,7 @@ def run_demo(steps: int = 300, out: str = "runs/demo", seed: int = 0, batch: int
 
     start_params = sum(p.numel() for p in model.parameters())
     print(f"\ncompressed model: {start_params:,} parameters, CoMERA training {steps} steps")
-    optimizer = torch.optim.AdamW(param_groups(model, lr_cores=3e-3, lr_gates=3e-2,
+    optimizer = torch.optim.AdamW(param_groups(model, lr_cores=1e-3, lr_gates=1e-2,
                                                lr_rest=1e-3))
     early = steps * 2 // 3
     trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.5, early_steps=early,
@@ -96,7 +96,8 @@ def run_demo(steps: int = 300, out: str = "runs/demo", seed: int = 0, batch: int
         "comera_late_ms": 1e3 * statistics.median(times[-max(5, steps // 10):]),
     }
     print("\n                       dense      CoMERA")
-    print(f"test accuracy (%)   {results['dense_accuracy']:8.1f}    {results['comera_accuracy']:8.1f}")
+    dense_acc, comera_acc = results["dense_accuracy"], results["comera_accuracy"]
+    print(f"test accuracy (%)   {dense_acc:8.1f}    {comera_acc:8.1f}")
     print(f"parameters       {dense_params:11,} {final_params:11,}   "
           f"({dense_params / final_params:.1f}x smaller; {start_params:,} after optimize)")
     print(f"step time (ms)      {results['dense_ms']:8.1f}    {results['comera_early_ms']:8.1f}"

@@ -56,8 +56,13 @@ def mlp(make_linear, sizes: tuple[int, ...] = SIZES, dropout: float = 0.0) -> nn
 
 
 def tt_mlp(ranks: tuple[int, ...], sizes: tuple[int, ...] = SIZES, dropout: float = 0.0):
+    """The MLP with TTLinear hidden layers; the small classifier layer stays dense."""
     rank = iter(ranks)
-    return mlp(lambda a, b: TTLinear(a, b, ranks=next(rank)), sizes, dropout)
+
+    def make(a: int, b: int) -> nn.Module:
+        return nn.Linear(a, b) if b == sizes[-1] else TTLinear(a, b, ranks=next(rank))
+
+    return mlp(make, sizes, dropout)
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -108,7 +108,7 @@ def test_budget_met_forward_and_train_step(name):
     _, factory, inputs, loss_fn, budget = CASES[name]
     torch.manual_seed(0)
     model = factory()
-    opt_model = cc.optimize(model, budget, example_inputs=inputs)
+    opt_model = cc.optimize(model, budget, example_inputs=inputs, compile=False)
     assert n_params(opt_model) <= budget * n_params(model)
     assert any(isinstance(m, TensorizedLayer) for m in opt_model.modules())
     report = cc.summary(opt_model)
@@ -134,7 +134,9 @@ def test_dense_init_at_full_rank_is_exact(name):
     if name == "mlp":  # full-rank SVDs of 512-wide unfoldings take seconds on a CPU
         factory, inputs = (lambda: MLP((64, 128, 64, 10))), torch.randn(16, 64)
     model = factory().eval()
-    opt_model = cc.optimize(model, example_inputs=inputs, init="dense", max_rank=10_000).eval()
+    opt_model = cc.optimize(
+        model, example_inputs=inputs, init="dense", max_rank=10_000, compile=False
+    ).eval()
     assert sum(isinstance(m, TensorizedLayer) for m in opt_model.modules()) >= 1
     with torch.no_grad():
         expected, got = _outputs(model, inputs), _outputs(opt_model, inputs)
@@ -145,14 +147,16 @@ def test_caller_model_is_untouched_and_capture_paths_reported():
     for factory, inputs, path in ((MLP, torch.randn(4, 256), "fx"), (bert, ids(2000), "export")):
         model = factory()
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        result = cc.optimize(model, 0.3, example_inputs=inputs)
+        result = cc.optimize(model, 0.3, example_inputs=inputs, compile=False)
         after = model.state_dict()
         assert before.keys() == after.keys()
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert not any(isinstance(m, TensorizedLayer) for m in model.modules())
         assert cc.summary(result).capture_path == path
-    assert isinstance(cc.optimize(MLP(), 0.3), torch.fx.GraphModule)
-    reason = cc.summary(cc.optimize(bert(), 0.3, example_inputs=ids(2000))).capture_reason
+    assert isinstance(cc.optimize(MLP(), 0.3, compile=False), torch.fx.GraphModule)
+    reason = cc.summary(
+        cc.optimize(bert(), 0.3, example_inputs=ids(2000), compile=False)
+    ).capture_reason
     assert "symbolic_trace failed" in reason and "torch.export" in reason
 
 
@@ -160,7 +164,7 @@ def test_six_encoder_full_size_beats_reference_factorization():
     torch.manual_seed(0)
     model = SixEncoderClassifier()
     dense = n_params(model)
-    result = cc.optimize(model, cc.Budget(ratio=40))
+    result = cc.optimize(model, cc.Budget(ratio=40), compile=False)
     ours, reference = n_params(result), n_params(reference_tensorized())
     assert ours <= dense / 40
     assert ours <= reference  # 1,438,743 vs 1,490,157
@@ -184,7 +188,7 @@ def _prune_some(model):
 def test_save_load_round_trip_exact_after_pruning(name, tmp_path):
     _, factory, inputs, _, budget = CASES[name]
     torch.manual_seed(0)
-    model = cc.optimize(factory(), budget, example_inputs=inputs).eval()
+    model = cc.optimize(factory(), budget, example_inputs=inputs, compile=False).eval()
     _prune_some(model)
     cc.save(model, tmp_path)
     loaded = cc.load(tmp_path).eval()
@@ -200,11 +204,11 @@ def test_save_load_round_trip_exact_after_pruning(name, tmp_path):
 
 def test_load_into_fresh_model_resizes_ranks(tmp_path):
     torch.manual_seed(0)
-    model = cc.optimize(MLP(), 0.3)
+    model = cc.optimize(MLP(), 0.3, compile=False)
     _prune_some(model)
     cc.save(model, tmp_path)
     torch.manual_seed(1)
-    fresh = cc.optimize(MLP(), 0.3)
+    fresh = cc.optimize(MLP(), 0.3, compile=False)
     first = "net.0"  # a GraphModule keeps names, not the Sequential container
     assert fresh.get_submodule(first).ranks != model.get_submodule(first).ranks
     cc.load(tmp_path, model=fresh)
@@ -214,8 +218,8 @@ def test_load_into_fresh_model_resizes_ranks(tmp_path):
 
 
 def test_load_into_model_of_other_modes_names_both_layouts(tmp_path):
-    cc.save(cc.optimize(MLP(), 0.3), tmp_path)
-    other = cc.optimize(MLP(), 0.3, format="ttm")
+    cc.save(cc.optimize(MLP(), 0.3, compile=False), tmp_path)
+    other = cc.optimize(MLP(), 0.3, format="ttm", compile=False)
     with pytest.raises(
         LayoutMismatchError,
         match=r"checkpoint layout .*'tt'.* does not fit "

@@ -15,6 +15,8 @@ recognisable node per tensorized layer. The backend
    graph per batch size, and the op specialises a symbolic one, so each batch size gets the
    plan of its bucket), inductor fuses it with the rest of the model and, on CUDA, runs it
    under CUDA Graph trees; a new shape or a pruned rank is a new graph, hence a new recording.
+   On CPU it keeps aten's random numbers (``fallback_random``): faster dropout there, and
+   the same dropout masks as eager.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         return lookup_backend("aot_eager")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else _on_cuda(example_inputs)
+    cuda = _on_cuda(example_inputs)
+    cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
     config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
+    # On CPU, inductor's own dropout RNG is slower than aten's; aten's also matches eager.
+    config.setdefault("fallback_random", not cuda)
     return compile_fx(gm, example_inputs, config_patches=config)

@@ -9,6 +9,8 @@ from torch import nn
 
 from comera_compile.compile.options import parse_options
 
+RECOMPILE_LIMIT = 64
+
 
 def compile_model(model: nn.Module, dynamic: bool = False, **options: Any) -> nn.Module:
     """``torch.compile(model, backend="comera", dynamic=False, options=options)``.
@@ -16,6 +18,11 @@ def compile_model(model: nn.Module, dynamic: bool = False, **options: Any) -> nn
     Static shapes by default: a plan is only right for its batch-size bucket, so each batch
     size should get its own graph rather than one symbolic graph. Options are checked here,
     before the first call, so a typo fails at once rather than on the first forward.
+    Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
+    core shapes, and each change is a recompile that must not push the model to eager.
     """
     parse_options(options)
+    # every prune and every new batch size is one more graph: leave room for a training run
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(model, backend="comera", dynamic=dynamic, options=options or None)

@@ -1,9 +1,10 @@
-"""A synthetic sentence-pair task (MNLI-shaped) that needs attention across the pair.
+"""A synthetic sentence-pair task (MNLI-shaped) whose answer needs both sentences.
 
-Each example is ``[CLS] premise [SEP] hypothesis [SEP]``. The label counts how many
-hypothesis words occur in the premise: all of them -> entailment (0), none -> contradiction
-(1), some -> neutral (2). No single position decides it: a model must compare the two
-sentences token by token, which is what attention layers learn to do.
+Each example is ``[CLS] premise [SEP] hypothesis [SEP]`` with sentences of equal length.
+A few words are "marked" (the first ``markers`` ids after the specials). The label
+compares how many marked words each sentence holds: more in the premise (0), as many (1),
+more in the hypothesis (2). Neither sentence alone tells the label: the ``[CLS]``
+position has to attend across the pair and weigh what it finds on each side.
 """
 
 from __future__ import annotations
@@ -13,54 +14,47 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CLS, SEP, PAD = 0, 1, 2
-FIRST_WORD = 3
+CLS, SEP = 0, 1
+FIRST_WORD = 3  # 2 is left free for padding
 
 
 @dataclass(frozen=True)
 class PairTask:
-    vocab_size: int = 4096
-    premise_len: int = 12
-    hypothesis_len: int = 4
+    vocab_size: int = 2048
+    sentence_len: int = 8
+    markers: int = 16
 
     @property
     def seq_len(self) -> int:
-        return self.premise_len + self.hypothesis_len + 3
+        return 2 * self.sentence_len + 3
+
+    def is_marked(self, ids: Tensor) -> Tensor:
+        return (ids >= FIRST_WORD) & (ids < FIRST_WORD + self.markers)
+
+    def _sentence(self, marked: Tensor, generator: torch.Generator) -> Tensor:
+        """Words with exactly ``marked[i]`` marked ones, at random places."""
+        size, n = marked.shape[0], self.sentence_len
+        first_plain = FIRST_WORD + self.markers
+        mark = torch.randint(FIRST_WORD, first_plain, (size, n), generator=generator)
+        plain = torch.randint(first_plain, self.vocab_size, (size, n), generator=generator)
+        places = torch.argsort(torch.rand(size, n, generator=generator), dim=1)
+        return torch.where(places < marked[:, None], mark, plain)
 
     def batch(self, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
         """``(input_ids, token_type_ids, labels)`` for ``size`` fresh examples."""
-        words = self.vocab_size - FIRST_WORD
+        n = self.sentence_len
         labels = torch.randint(0, 3, (size,), generator=generator)
-        # distinct words per example: the first premise_len of a random order of the words
-        order = torch.argsort(torch.rand(size, words, generator=generator), dim=1)
-        premise = FIRST_WORD + order[:, : self.premise_len]
-        h = self.hypothesis_len
-        # candidate hypothesis words: from the premise, and (almost surely) from outside it
-        inside = premise.gather(
-            1, torch.argsort(torch.rand(size, self.premise_len, generator=generator))[:, :h]
-        )
-        outside = FIRST_WORD + torch.randint(0, words, (size, h), generator=generator)
-        outside = torch.where(
-            (outside[:, :, None] == premise[:, None, :]).any(-1),
-            (outside - FIRST_WORD + 1) % words + FIRST_WORD,
-            outside,
-        )
-        n_inside = torch.where(
-            labels == 0,
-            h,
-            torch.where(labels == 1, 0, torch.randint(1, h, (size,), generator=generator)),
-        )
-        take_inside = torch.arange(h)[None, :] < n_inside[:, None]
-        hypothesis = torch.where(take_inside, inside, outside)
-        hypothesis = hypothesis.gather(1, torch.argsort(torch.rand(size, h, generator=generator)))
-        cls = torch.full((size, 1), CLS)
-        sep = torch.full((size, 1), SEP)
+        low = torch.randint(0, n, (size,), generator=generator)
+        high = low + 1 + (torch.rand(size, generator=generator) * (n - low)).long()
+        high = high.clamp(max=n)
+        premise_marks = torch.where(labels == 0, high, low)
+        hypothesis_marks = torch.where(labels == 1, low, torch.where(labels == 0, low, high))
+        premise = self._sentence(premise_marks, generator)
+        hypothesis = self._sentence(hypothesis_marks, generator)
+        cls, sep = torch.full((size, 1), CLS), torch.full((size, 1), SEP)
         ids = torch.cat([cls, premise, sep, hypothesis, sep], dim=1)
         types = torch.cat(
-            [
-                torch.zeros(size, self.premise_len + 2, dtype=torch.long),
-                torch.ones(size, h + 1, dtype=torch.long),
-            ],
+            [torch.zeros(size, n + 2, dtype=torch.long), torch.ones(size, n + 1, dtype=torch.long)],
             dim=1,
         )
         return ids, types, labels
