@@ -111,7 +111,7 @@ def test_model_size_counts_live_channels_and_other_params():
         (1.0, 0.5, 100, 90, 0.0),  # loss 50% off, size 10% off: fix the loss
         (1.0, 1.0, 20, 20, 0.0),  # both on target: the task loss wins ties
         (0.8, 1.0, 20, 20, 1.0),  # loss below target, size on target: -0.25 < 0
-        (1.0, 0.9, 15, 20, 0.0),  # size already below target: train the task
+        (1.0, 0.9, 15, 20, 0.0),  # size already below target: fix the loss
     ],
 )
 def test_switch_rule_picks_the_objective_further_from_its_target(
@@ -230,12 +230,12 @@ def test_trainer_reaches_target_and_loss_goes_down(tmp_path):
     for _ in range(140):
         _trainer_step(model, opt, trainer, x, y)
     h = trainer.history
-    task = h.column("task_loss")
-    assert sum(task[35:40]) / 5 < 0.5 * task[0]  # the early stage learns
+    task_losses = h.column("task_loss")
+    assert sum(task_losses[35:40]) / 5 < 0.5 * task_losses[0]  # the early stage learns
     assert trainer.target_reached
     assert trainer.size() <= 0.5 * trainer.size_start
     assert h.column("params")[-1] < h.column("params")[0]
-    assert sum(task[-5:]) / 5 < 0.6 * task[0]  # and the late stage keeps most of it
+    assert sum(task_losses[-5:]) / 5 < 0.6 * task_losses[0]  # and the late stage keeps most of it
     # the cores really shrank: stored ranks equal effective ranks after the last prune
     assert model[0].ranks == model[0].effective_ranks()
 
