@@ -295,3 +295,18 @@ def test_pruning_while_last_steps_graph_is_alive():
     loss = F.cross_entropy(model(x), y) + rank_penalty(model)
     loss.backward()
     assert model[0].gates[1].grad.shape == (2,)
+
+
+def test_min_rank_keeps_every_bond_alive():
+    from comera_compile import TTLinear
+    from comera_compile.training import keep_min_rank
+
+    layer = TTLinear(64, 48, ranks=6)
+    with torch.no_grad():
+        layer.gates[0].fill_(0.001)  # the whole bond below the threshold
+        layer.gates[1][:] = torch.tensor([0.5, -0.004, 0.002, 0.003, 0.001, 0.0])
+    lifted = keep_min_rank(layer, min_rank=2)
+    ranks = layer.effective_ranks()
+    assert lifted == 3 and ranks[1] == 2 and ranks[2] == 2
+    assert layer.gates[1][1].item() == pytest.approx(-2 * layer.threshold)  # sign kept
+    assert keep_min_rank(layer, min_rank=2) == 0

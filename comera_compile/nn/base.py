@@ -44,7 +44,13 @@ class PruneResult:
 
 def _slice_parameter(param: nn.Parameter, dim: int, index: Tensor) -> None:
     """Shrink a parameter in place, keeping its identity (optimizers hold the object)."""
-    param.data = param.data.index_select(dim, index).contiguous()
+    kept = param.data.index_select(dim, index).contiguous()
+    # Autograd caches a gradient accumulator per leaf, with the leaf's shape, while any
+    # graph using it is alive (a loop holding last step's loss); setting .data of another
+    # dtype first makes it drop that cache, so the next backward accepts the new shape.
+    other = torch.float32 if kept.dtype == torch.float64 else torch.float64
+    param.data = kept.new_empty(0, dtype=other)
+    param.data = kept
     if param.grad is not None:
         param.grad = param.grad.index_select(dim, index).contiguous()
 

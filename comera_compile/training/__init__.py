@@ -13,7 +13,7 @@ from comera_compile.training.penalty import (
     tensorized_layers,
 )
 from comera_compile.training.plots import plot_compression, plot_ranks
-from comera_compile.training.pruning import prune_model, slice_optimizer_state
+from comera_compile.training.pruning import keep_min_rank, prune_model, slice_optimizer_state
 from comera_compile.training.schedule import (
     EARLY,
     LATE,
@@ -31,6 +31,7 @@ __all__ = [
     "RankAdaptiveTrainer",
     "core_l2",
     "effective_ranks",
+    "keep_min_rank",
     "late_stage_loss",
     "model_size",
     "param_groups",

@@ -36,20 +36,6 @@ def slice_optimizer_state(
         old[dim] = index.numel()
 
 
-def fresh_grad_accumulator(param: nn.Parameter) -> None:
-    """Make autograd forget the parameter's old shape.
-
-    Autograd caches one gradient accumulator per leaf, with the leaf's shape, for as long
-    as any graph that uses it is alive. A loop that keeps last step's ``loss`` while it
-    builds the next one keeps that graph alive, and the next backward then rejects the
-    shrunk gradient. Swapping ``.data`` to another dtype and back drops the cached one.
-    """
-    kept = param.data
-    other = torch.float32 if kept.dtype == torch.float64 else torch.float64
-    param.data = kept.new_empty(0, dtype=other)
-    param.data = kept
-
-
 @torch.no_grad()
 def prune_model(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -66,9 +52,29 @@ def prune_model(
         result = layer.prune_ranks()
         if not result:
             continue
-        for param in {id(p): p for p, _, _ in result.slices}.values():
-            fresh_grad_accumulator(param)
         if optimizer is not None:
             slice_optimizer_state(optimizer, result, shapes_before)
         results[name] = result
     return results
+
+
+@torch.no_grad()
+def keep_min_rank(model: nn.Module, min_rank: int = 1) -> int:
+    """Hold the ``min_rank`` largest gate entries of every bond above the threshold.
+
+    A bond with no live channel zeroes its whole layer (the chain has a zero matrix in the
+    middle), and a dead gate gets no gradient to come back: the rank penalty must shrink
+    layers, never silently switch them off. Returns how many entries were lifted.
+    """
+    lifted = 0
+    for _, layer in tensorized_layers(model):
+        floor = 2 * layer.threshold
+        for gate in layer.gates:
+            k = min(min_rank, gate.numel())
+            top = gate.abs().topk(k).indices
+            low = top[gate[top].abs() <= layer.threshold]
+            if low.numel():
+                sign = torch.where(gate[low] < 0, -1.0, 1.0).to(gate.dtype)
+                gate[low] = sign * floor
+                lifted += low.numel()
+    return lifted

@@ -33,7 +33,7 @@ from comera_compile.training.penalty import (
     soft_size,
     tensorized_compression,
 )
-from comera_compile.training.pruning import prune_model
+from comera_compile.training.pruning import keep_min_rank, prune_model
 from comera_compile.training.schedule import EARLY, LATE, Plateau, late_stage_loss, size_weight
 
 
@@ -54,6 +54,7 @@ class RankAdaptiveTrainer:
         task_target: float | None = None,
         plateau_patience: int | None = None,
         history: bool = True,
+        min_rank: int = 1,
     ) -> None:
         if target_params is not None and target_bytes is not None:
             raise ValueError("give target_params or target_bytes, not both")
@@ -72,6 +73,9 @@ class RankAdaptiveTrainer:
         self.penalty_weight, self.l2_weight = penalty_weight, l2_weight
         self.task_target = task_target
         self.plateau = Plateau(plateau_patience)
+        if not isinstance(min_rank, int) or min_rank < 1:
+            raise ValueError(f"min_rank must be a positive int, got {min_rank!r}")
+        self.min_rank = min_rank
         self.steps = 0
         self._stage = EARLY
         self.size_start: int | None = None  # S when the late stage started
@@ -122,6 +126,7 @@ class RankAdaptiveTrainer:
     def step(self) -> None:
         """Bookkeeping after ``optimizer.step()``: prune, maybe switch stage, record."""
         self.steps += 1
+        keep_min_rank(self.model, self.min_rank)
         task_loss = self._pending.get("task_loss")
         plateaued = self.plateau.update(float(task_loss)) if task_loss is not None else False
         due = self.early_steps is not None and self.steps >= self.early_steps
