@@ -57,12 +57,17 @@ def train(model, optimizer, task, steps, batch, seed, trainer=None, log_every=50
     return times
 
 
-def run_demo(steps: int = 600, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
+def run_demo(steps: int = 800, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
     torch.manual_seed(seed)
     task = PairTask(vocab_size=8192, sentence_len=8)
     config = SixEncoderConfig(
-        vocab_size=task.vocab_size, hidden=256, ffn=1024, heads=4, layers=2,
-        max_position=task.seq_len, dropout=0.0,
+        vocab_size=task.vocab_size,
+        hidden=256,
+        ffn=1024,
+        heads=4,
+        layers=2,
+        max_position=task.seq_len,
+        dropout=0.0,
     )
     dense = SixEncoderClassifier(config)
     example = task.batch(batch, torch.Generator().manual_seed(seed))[:2]
@@ -72,16 +77,24 @@ def run_demo(steps: int = 600, out: str = "runs/demo", seed: int = 0, batch: int
     dense_params = sum(p.numel() for p in dense.parameters())
     reference = copy.deepcopy(dense)
     print(f"dense model: {dense_params:,} parameters, training {steps} steps")
-    dense_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
+    dense_opt = torch.optim.AdamW(reference.parameters(), lr=3e-4, weight_decay=0.0)
     dense_times = train(reference, dense_opt, task, steps, batch, seed + 1, name="dense ")
 
     start_params = sum(p.numel() for p in model.parameters())
     print(f"\ncompressed model: {start_params:,} parameters, CoMERA training {steps} steps")
-    optimizer = torch.optim.AdamW(param_groups(model, lr_cores=1e-3, lr_gates=1e-2,
-                                               lr_rest=1e-3))
-    early = steps * 2 // 3
-    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.5, early_steps=early,
-                                  prune_every=25)
+    optimizer = torch.optim.AdamW(param_groups(model, lr_cores=1e-3, lr_gates=6e-3, lr_rest=3e-4))
+    early = steps // 2
+    # l2 on the cores stops them from growing to make up for shrinking gates (a channel
+    # switched off at the threshold then carries little); task_target is L_t
+    trainer = RankAdaptiveTrainer(
+        model,
+        optimizer,
+        target_ratio=0.5,
+        early_steps=early,
+        prune_every=25,
+        l2_weight=1e-4,
+        task_target=0.1,
+    )
     times = train(model, optimizer, task, steps, batch, seed + 1, trainer, name="comera")
 
     final_params = sum(p.numel() for p in model.parameters())
@@ -93,15 +106,24 @@ def run_demo(steps: int = 600, out: str = "runs/demo", seed: int = 0, batch: int
         "comera_params_end": final_params,
         "dense_ms": 1e3 * statistics.median(dense_times[5:]),
         "comera_early_ms": 1e3 * statistics.median(times[5:early]),
-        "comera_late_ms": 1e3 * statistics.median(times[-max(5, steps // 10):]),
+        "comera_late_ms": 1e3 * statistics.median(times[-max(5, steps // 10) :]),
     }
     print("\n                       dense      CoMERA")
     dense_acc, comera_acc = results["dense_accuracy"], results["comera_accuracy"]
     print(f"test accuracy (%)   {dense_acc:8.1f}    {comera_acc:8.1f}")
-    print(f"parameters       {dense_params:11,} {final_params:11,}   "
-          f"({dense_params / final_params:.1f}x smaller; {start_params:,} after optimize)")
-    print(f"step time (ms)      {results['dense_ms']:8.1f}    {results['comera_early_ms']:8.1f}"
-          f" early -> {results['comera_late_ms']:.1f} after pruning")
+    print(
+        f"parameters       {dense_params:11,} {final_params:11,}   "
+        f"({dense_params / final_params:.1f}x smaller; {start_params:,} after optimize)"
+    )
+    print(
+        f"step time (ms)      {results['dense_ms']:8.1f}    {results['comera_early_ms']:8.1f}"
+        f" early -> {results['comera_late_ms']:.1f} after pruning"
+    )
+    reached = "reached" if trainer.target_reached else "not reached yet: train longer"
+    print(
+        f"late stage: size {trainer.size_start:,} -> {trainer.size():,}, target "
+        f"{trainer.size_target:,.0f} ({reached})"
+    )
     print("\neffective ranks after training:")
     for name, ranks in trainer.history[-1]["ranks"].items():
         print(f"  {name:32s} {ranks}")
@@ -114,6 +136,8 @@ def run_demo(steps: int = 600, out: str = "runs/demo", seed: int = 0, batch: int
     trainer.history.to_csv(directory / "history.csv")
     plot_ranks(trainer.history, directory / "ranks.png")
     report.to_json(directory / "plans.json")
-    print(f"\nwrote {directory / 'history.csv'}, {directory / 'ranks.png'}, "
-          f"{directory / 'plans.json'}")
+    print(
+        f"\nwrote {directory / 'history.csv'}, {directory / 'ranks.png'}, "
+        f"{directory / 'plans.json'}"
+    )
     return results
