@@ -6,11 +6,9 @@ TTLinear, the word embedding as TTEmbedding; REFERENCE factorizations when the s
 the reference's 768 / 3072) for the same number of steps; the tensorized one goes through
 CoMERA's early stage, then a late stage towards ``--target-ratio`` of its size.
 
-Data: by default a synthetic sentence-pair problem that needs attention across the pair.
-A premise is a few content words; the hypothesis is
-- entailment: words all taken from the premise;
-- contradiction: the "not" word followed by premise words;
-- neutral: at least one word that is not in the premise (and no "not").
+Data: by default the synthetic sentence-pair problem of
+``comera_compile.models.pair_task`` (the label compares how many "marked" words each
+sentence holds, so the answer needs attention across the pair).
 With ``--mnli DIR`` it reads GLUE's ``train.tsv`` and ``dev_matched.tsv`` from disk
 (nothing is downloaded). Words are lower-cased, split on ``\\w+|[^\\w\\s]`` and hashed
 (crc32) into the vocabulary: no wordpieces, collisions accepted.
@@ -33,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from comera_compile.models.pair_task import PairTask
 from comera_compile.models.six_encoder import (
     SixEncoderClassifier,
     SixEncoderConfig,
@@ -48,8 +47,8 @@ from comera_compile.training import (
     tensorized_compression,
 )
 
-PAD, CLS, SEP, NOT = 0, 1, 2, 3
-FIRST_WORD = 4
+CLS, SEP, PAD = 0, 1, 2  # as in PairTask
+FIRST_WORD = 3
 LABELS = {"entailment": 0, "neutral": 1, "contradiction": 2}
 
 
@@ -68,30 +67,14 @@ def pair_batch(ids_a: list[list[int]], ids_b: list[list[int]], max_len: int) -> 
     return ids, tt, (ids != PAD).long()
 
 
-def synthetic(n: int, words: int, seed: int, premise: int = 6, hypothesis: int = 3):
-    """``n`` balanced examples of the premise / hypothesis problem described above."""
-    g = torch.Generator().manual_seed(seed)
-    a_rows, b_rows, labels = [], [], []
-    for i in range(n):
-        label = i % 3
-        p = (torch.randperm(words, generator=g)[:premise] + FIRST_WORD).tolist()
-        pick = lambda k, p=p: [p[j] for j in torch.randint(premise, (k,), generator=g)]  # noqa: E731
-        if label == 0:
-            h = pick(hypothesis)
-        elif label == 2:
-            h = [NOT, *pick(hypothesis - 1)]
-        else:
-            h = pick(hypothesis)
-            outside = [
-                w for w in torch.randperm(words, generator=g).tolist() if w + FIRST_WORD not in p
-            ]
-            k = int(torch.randint(1, hypothesis + 1, (1,), generator=g))
-            for j, slot in enumerate(torch.randperm(hypothesis, generator=g)[:k].tolist()):
-                h[slot] = outside[j] + FIRST_WORD
-        a_rows.append(p)
-        b_rows.append(h)
-        labels.append(label)
-    return a_rows, b_rows, torch.tensor(labels)
+def synthetic(n: int, vocab: int, seed: int):
+    """``n`` examples of :class:`PairTask` as premise / hypothesis word lists."""
+    task = PairTask(vocab_size=vocab)
+    ids, _, labels = task.batch(n, torch.Generator().manual_seed(seed))
+    length = task.sentence_len
+    premise = ids[:, 1 : length + 1].tolist()
+    hypothesis = ids[:, length + 2 : 2 * length + 2].tolist()
+    return premise, hypothesis, labels
 
 
 def hash_words(text: str, vocab: int) -> list[int]:
@@ -211,27 +194,26 @@ def train(model, data: PairData, args, trainer_opts: dict | None = None, test=No
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--words", type=int, default=20, help="content words of the synthetic problem")
-    p.add_argument("--steps", type=int, default=5000)
-    p.add_argument("--early-steps", type=int, default=None, help="default: 60%% of --steps")
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--early-steps", type=int, default=None, help="default: half of --steps")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=128)
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rank", type=int, default=24)
     p.add_argument("--embedding-rank", type=int, default=16)
     p.add_argument("--target-ratio", type=float, default=0.5)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--lr-cores", type=float, default=3e-4)
+    p.add_argument("--lr-cores", type=float, default=1e-3)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr-gates", type=float, default=3e-3)
-    p.add_argument("--train-size", type=int, default=6000)
+    p.add_argument("--lr-gates", type=float, default=6e-3)
+    p.add_argument("--train-size", type=int, default=40000)
     p.add_argument("--mnli", type=Path, default=None, help="folder with GLUE MNLI TSV files")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=500)
+    p.add_argument("--log-every", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("runs/six_encoder"))
     args = p.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -244,8 +226,8 @@ def main() -> None:
         test_set = PairData(*read_mnli(args.mnli / "dev_matched.tsv", vocab, None), args.max_len)
     else:
         vocab = args.vocab
-        train_set = PairData(*synthetic(args.train_size, args.words, args.seed), args.max_len)
-        test_set = PairData(*synthetic(1500, args.words, args.seed + 1), args.max_len)
+        train_set = PairData(*synthetic(args.train_size, vocab, args.seed), args.max_len)
+        test_set = PairData(*synthetic(1500, vocab, args.seed + 1), args.max_len)
     config = SixEncoderConfig(
         vocab_size=vocab,
         hidden=args.hidden,
@@ -255,7 +237,7 @@ def main() -> None:
         max_position=max(args.max_len, 16),
         dropout=args.dropout,
     )
-    early = args.early_steps if args.early_steps is not None else int(0.6 * args.steps)
+    early = args.early_steps if args.early_steps is not None else args.steps // 2
     probe = train_set.batch(torch.arange(args.batch))
 
     print(f"dense: {args.layers} layers, hidden {args.hidden}, {args.steps} steps")
@@ -271,7 +253,13 @@ def main() -> None:
     model = tensorized(config, args.rank, args.embedding_rank)
     before_step = step_time(copy.deepcopy(model), probe)
     start = time.perf_counter()
-    opts = dict(target_ratio=args.target_ratio, early_steps=early, prune_every=50)
+    opts = dict(
+        target_ratio=args.target_ratio,
+        early_steps=early,
+        prune_every=25,
+        l2_weight=1e-4,
+        task_target=0.1,
+    )
     trainer = train(model, train_set, args, opts, test=test_set)
     tt_s, tt_acc = time.perf_counter() - start, accuracy(model, test_set)
     after_step = step_time(model, probe)
