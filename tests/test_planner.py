@@ -63,9 +63,14 @@ def _networks():
 
 
 # ----- an independent brute force over every binary contraction tree ---------------------
-def brute_force_cost(network: Network, objective: str = "combo", training: bool = False):
+def brute_force_cost(
+    network: Network, objective: str = "combo", training: bool = False, no_dense: bool = True
+):
     """Minimum objective over ALL binary trees (outer products included), by memoised
-    recursion over operand subsets with plain set arithmetic (shares no planner code)."""
+    recursion over operand subsets with plain set arithmetic (shares no planner code).
+
+    ``no_dense``: trees with a cores-only intermediate (operand 0 = x not in it) as large
+    as the dense weight are not allowed, as in the planner."""
     terms = [set(t) for t in network.inputs]
     sizes = network.size_dict
     out = set(network.output)
@@ -85,10 +90,14 @@ def brute_force_cost(network: Network, objective: str = "combo", training: bool 
     def numel(ixs):
         return math.prod(sizes[i] for i in ixs)
 
+    dense = math.prod(sizes[i] for i in (network.inputs[0] + network.output) if i != "b")
+
     @functools.cache
     def best(subset):
         if len(subset) == 1:
             return 0
+        if no_dense and 0 not in subset and numel(legs(subset)) >= dense:
+            return math.inf
         items = sorted(subset)
         first, rest = items[0], items[1:]
         found = math.inf
@@ -121,7 +130,18 @@ def test_chosen_tree_is_the_brute_force_optimum(label, network):
     plan = get_plan(network, dtype=torch.float32, device_type="cpu")
     assert plan.cost == brute_force_cost(network)
     assert plan.rows_bucket == network.rows
-    assert plan.optimizer.startswith("cotengra.OptimalOptimizer")
+    assert plan.optimizer.startswith(("cotengra.OptimalOptimizer", "comera.exact_dp"))
+
+
+def test_no_plan_rebuilds_the_dense_weight():
+    """At 4096 rows a TTM layer is cheapest on paper by merging its cores into the dense
+    weight; the planner must take the best tree that does not."""
+    net = ttm_linear_network(*TTM_SHAPE, 30, 4096)
+    assert brute_force_cost(net, no_dense=False) < brute_force_cost(net)
+    plan = get_plan(net, dtype=torch.float32, device_type="cpu")
+    assert plan.cost == brute_force_cost(net)
+    assert "no dense weight" in plan.optimizer
+    assert plan.order_expression() != "x . (G1 . (G2 . G3))"
 
 
 @pytest.mark.parametrize("objective", ["flops", "size", "write", "combo-8"])
@@ -149,7 +169,8 @@ def test_our_dp_matches_cotengra_and_brute_force():
             continue
         obj = parse_objective("combo")
         ((cost, tree),) = kbest_trees(net.inputs, net.output, net.size_dict, obj)
-        assert cost == brute_force_cost(net) == plan_network(net).cost
+        assert cost == brute_force_cost(net, no_dense=False)
+        assert plan_network(net).cost == brute_force_cost(net)
         assert (
             evaluate_path(
                 net.inputs, net.output, net.size_dict, tree_to_ssa(tree, len(net.inputs))

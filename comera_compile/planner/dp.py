@@ -44,8 +44,13 @@ def kbest_trees(
     objective: Objective,
     training: bool = False,
     k: int = 1,
+    max_weight_size: int | None = None,
 ) -> list[tuple[float, Tree]]:
-    """The ``k`` cheapest contraction trees (cost, tree), cheapest first."""
+    """The ``k`` cheapest contraction trees (cost, tree), cheapest first.
+
+    ``max_weight_size``: intermediates made of cores alone (no operand 0, the input) must
+    stay below this many elements; the planner passes the dense weight's size, so no tree
+    rebuilds the weight the layer exists to avoid."""
     n = len(inputs)
     if n > MAX_DP_OPERANDS:
         raise ValueError(f"exact DP is limited to {MAX_DP_OPERANDS} operands, got {n}")
@@ -81,6 +86,9 @@ def kbest_trees(
     best: dict[int, list[tuple[float, Tree]]] = {1 << p: [(0, p)] for p in range(n)}
     for s in sorted(range(1, full + 1), key=lambda v: v.bit_count()):
         if s.bit_count() < 2:
+            continue
+        if max_weight_size is not None and not s & 1 and open_size[s] >= max_weight_size:
+            best[s] = []  # a cores-only intermediate as big as the dense weight
             continue
         low = s & -s
         rest = s ^ low

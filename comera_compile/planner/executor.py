@@ -137,9 +137,7 @@ def _pair(step: PairStep, a: Tensor, b: Tensor, bias: Tensor | None = None) -> T
     return c.reshape(*batch, *a_free, *b_free)
 
 
-def run_program(
-    program: Program, operands: Sequence[Tensor], bias: Tensor | None = None
-) -> Tensor:
+def run_program(program: Program, operands: Sequence[Tensor], bias: Tensor | None = None) -> Tensor:
     """Execute ``program`` on ``operands`` (in network order).
 
     ``bias``, shaped like the trailing output dims, is added to the result; where the plan

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .executor import Program, compile_program, run_program
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def _number(value: Any) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import cotengra
@@ -15,6 +16,38 @@ from .plan import Plan
 from .search import search_paths
 
 AUTOTUNE_CANDIDATES = 4
+
+
+def dense_weight_size(network: Network) -> int | None:
+    """Elements of the dense matrix a layer network stands for (input modes x output
+    modes), or None for a network without a batch-carrying input."""
+    if not network.inputs or BATCH not in network.inputs[0]:
+        return None
+    sizes = network.size_dict
+    modes = (network.inputs[0] + network.output).replace(BATCH, "")
+    return math.prod(sizes[ix] for ix in modes)
+
+
+def largest_weight_intermediate(network: Network, path: Sequence[Sequence[int]]) -> int:
+    """Largest intermediate made of cores alone (no operand 0) along ``path``."""
+    count: dict[str, int] = {}
+    for term in (*network.inputs, network.output):
+        for ix in term:
+            count[ix] = count.get(ix, 0) + 1
+    terms = {k: (set(t), k == 0) for k, t in enumerate(network.inputs)}
+    sizes, largest, nxt = network.size_dict, 0, len(network.inputs)
+    for i, j in path:
+        (a, a_x), (b, b_x) = terms.pop(i), terms.pop(j)
+        for ix in (*a, *b):
+            count[ix] -= 1
+        result = {ix for ix in a | b if count[ix] > 0}
+        for ix in result:
+            count[ix] += 1
+        if not (a_x or b_x):
+            largest = max(largest, math.prod(sizes[ix] for ix in result))
+        terms[nxt] = (result, a_x or b_x)
+        nxt += 1
+    return largest
 
 
 def canonical_path(path: list[tuple[int, int]], num_inputs: int) -> list[tuple[int, int]]:
@@ -69,10 +102,18 @@ def plan_network(
     device_type: str = "cpu",
     operands_example: Sequence[Tensor] | None = None,
 ) -> Plan:
-    """Search the best tree of ``network`` (no caching; sizes are used as given)."""
+    """Search the best tree of ``network`` (no caching; sizes are used as given).
+
+    Trees that merge the cores into a matrix as large as the dense weight are ruled out:
+    at large batches they can win on multiply-adds (TTM especially), but a layer that
+    rebuilds its weight every forward gives back the memory it exists to save."""
     obj = parse_objective(objective)
     k = AUTOTUNE_CANDIDATES if autotune else 1
     paths, optimizer = search_paths(network, obj, training, k)
+    cap = dense_weight_size(network)
+    if cap is not None and largest_weight_intermediate(network, paths[0]) >= cap:
+        # cheapest on paper, but it rebuilds the dense weight: search again without that
+        paths, optimizer = search_paths(network, obj, training, k, max_weight_size=cap)
     plans = [make_plan(network, p, obj.name, training, optimizer) for p in paths]
     if not autotune or len(plans) < 2:
         return plans[0]

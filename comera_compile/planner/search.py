@@ -53,7 +53,11 @@ def cotengra_path(network: Network, objective: Objective) -> tuple[list[tuple[in
 
 
 def search_paths(
-    network: Network, objective: Objective, training: bool = False, k: int = 1
+    network: Network,
+    objective: Objective,
+    training: bool = False,
+    k: int = 1,
+    max_weight_size: int | None = None,
 ) -> tuple[list[list[tuple[int, int]]], str]:
     """Up to ``k`` candidate SSA paths, best first, and the name of the search used.
 
@@ -61,11 +65,19 @@ def search_paths(
     single plain-objective path and say so in the returned name.
     """
     n = len(network.inputs)
-    if (k > 1 or training) and n <= MAX_DP_OPERANDS:
+    if (k > 1 or training or max_weight_size) and n <= MAX_DP_OPERANDS:
         trees = kbest_trees(
-            network.inputs, network.output, network.size_dict, objective, training, k
+            network.inputs,
+            network.output,
+            network.size_dict,
+            objective,
+            training,
+            k,
+            max_weight_size,
         )
-        name = f"comera.exact_dp(k={k}{', training' if training else ''})"
+        notes = ", training" if training else ""
+        notes += ", no dense weight" if max_weight_size else ""
+        name = f"comera.exact_dp(k={k}{notes})"
         return [tree_to_ssa(t, n) for _, t in trees], name
     path, name = cotengra_path(network, objective)
     if training:
