@@ -672,3 +672,16 @@ def test_bias_fused_into_last_matmul_matches_separate_add(rows):
         torch.testing.assert_close(a, b)
     if rows == 4096:  # the (x . L) . R order ends in a plain matmul: the bias rides in it
         assert plan.program().bias_dims == 2
+
+
+def test_reference_order_is_an_autotune_candidate():
+    from comera_compile.planner.networks import tt_linear_reference_path
+    from comera_compile.planner.planning import make_plan
+
+    net = tt_linear_network([4, 3], [2, 5], 3, 16)
+    reference = make_plan(net, tt_linear_reference_path(net), "combo", False, "reference order")
+    assert reference.order_expression() == "(x . (G1 . G2)) . (G3 . G4)"
+    ops = [torch.randn(s, dtype=torch.float64) for s in net.shapes()]
+    torch.testing.assert_close(reference.execute(*ops), plan_network(net).execute(*ops))
+    tuned = plan_network(net, autotune=True)
+    assert tuned.autotuned and tuned.optimizer in ("reference order",) or "dp" in tuned.optimizer

@@ -97,3 +97,27 @@ def ttm_linear_network(
     sizes = {BATCH: int(rows), **dict(zip(n_ix, n)), **dict(zip(m_ix, m)), **dict(zip(r_ix, r))}
     terms = _chain_terms([mi + ni for mi, ni in zip(m_ix, n_ix)], r_ix)
     return _build("ttm_linear", BATCH + "".join(n_ix), terms, BATCH + "".join(m_ix), sizes)
+
+
+def tt_linear_reference_path(network: Network) -> list[tuple[int, int]]:
+    """REFERENCE's fixed order as an SSA path: merge the input cores left to right into L,
+    the output cores right to left into R, then ``(x . L) . R``. Autotuning always times
+    it beside the searched trees, so a tuned plan is never slower than the fixed order."""
+    d = len(network.inputs[0]) - 1  # x carries the batch index and d input modes
+    last = len(network.inputs) - 1
+    path: list[tuple[int, int]] = []
+    nxt = len(network.inputs)
+
+    def pair(a: int, b: int) -> int:
+        nonlocal nxt
+        path.append((a, b))
+        nxt += 1
+        return nxt - 1
+
+    left = 1
+    for core in range(2, d + 1):
+        left = pair(left, core)
+    right = last
+    for core in range(last - 1, d, -1):
+        right = pair(core, right)
+    return path + [(0, left), (nxt, right)]

@@ -12,6 +12,7 @@ from torch import Tensor
 from .autotune import example_operands, fastest
 from .costs import evaluate_path, parse_objective
 from .network import BATCH, Network
+from .networks import tt_linear_reference_path
 from .plan import Plan
 from .search import search_paths
 
@@ -115,6 +116,12 @@ def plan_network(
         # cheapest on paper, but it rebuilds the dense weight: search again without that
         paths, optimizer = search_paths(network, obj, training, k, max_weight_size=cap)
     plans = [make_plan(network, p, obj.name, training, optimizer) for p in paths]
+    if autotune and network.kind == "tt_linear":
+        reference = make_plan(
+            network, tt_linear_reference_path(network), obj.name, training, "reference order"
+        )
+        if all(reference.path != plan.path for plan in plans):
+            plans.append(reference)
     if not autotune or len(plans) < 2:
         return plans[0]
     operands = operands_example
