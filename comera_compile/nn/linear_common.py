@@ -26,6 +26,19 @@ class PlannedLinearMixin:
     out_modes: tuple[int, ...]
     autotune: bool = False
 
+    @property
+    def dense_parameters(self) -> int:
+        return self.in_features * self.out_features
+
+    def layout(self) -> dict:
+        return {
+            **super().layout(),
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "in_modes": list(self.in_modes),
+            "out_modes": list(self.out_modes),
+        }
+
     def _init_bias(self, bias: bool, device, dtype) -> None:
         if not bias:
             self.register_parameter("bias", None)

@@ -54,19 +54,6 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         self.in_modes, self.out_modes = in_modes, out_modes
         self._init_bias(bias, device, dtype)
 
-    @property
-    def dense_parameters(self) -> int:
-        return self.in_features * self.out_features
-
-    def layout(self) -> dict:
-        return {
-            **super().layout(),
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "in_modes": list(self.in_modes),
-            "out_modes": list(self.out_modes),
-        }
-
     # ----- the contraction ----------------------------------------------------------------
     def network_cores(self) -> list[Tensor]:
         """Gated cores with the boundary rank-1 axes squeezed, as the planner's network has them."""
