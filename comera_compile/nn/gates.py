@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 DEFAULT_THRESHOLD = 0.01
@@ -17,7 +18,7 @@ DEFAULT_THRESHOLD = 0.01
 
 def hard_threshold(gate: Tensor, threshold: float) -> Tensor:
     """The gate as the forward sees it: entries with ``|g| <= threshold`` become exactly 0."""
-    return gate * (gate.abs() > threshold).to(gate.dtype)
+    return torch.where(gate.abs() > threshold, gate, torch.zeros_like(gate))
 
 
 def fold_gates(cores: Sequence[Tensor], gates: Sequence[Tensor], threshold: float) -> list[Tensor]:
