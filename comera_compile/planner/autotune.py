@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .network import Network
 
-REPEATS = 3
+REPEATS = 5
 
 
 def example_operands(network: Network, dtype: torch.dtype, device_type: str) -> list[Tensor]:
@@ -31,24 +31,36 @@ def _sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_candidate(run: Callable[[], Tensor], device_type: str) -> float:
+def time_candidate(run: Callable[[], object], device_type: str) -> float:
     """Best-of-``REPEATS`` wall time of ``run`` after one warm-up call."""
-    with torch.no_grad():
+    run()
+    best = float("inf")
+    for _ in range(REPEATS):
+        _sync(device_type)
+        start = time.perf_counter()
         run()
-        best = float("inf")
-        for _ in range(REPEATS):
-            _sync(device_type)
-            start = time.perf_counter()
-            run()
-            _sync(device_type)
-            best = min(best, time.perf_counter() - start)
+        _sync(device_type)
+        best = min(best, time.perf_counter() - start)
     return best
 
 
 def fastest(candidates: Sequence, operands: Sequence[Tensor], device_type: str):
-    """The candidate plan (anything with ``execute``) that runs fastest on ``operands``."""
+    """The candidate plan (anything with ``execute``) whose forward + backward runs fastest
+    on ``operands`` (cores need gradients in training, the input usually too)."""
+    if torch.is_inference_mode_enabled():  # no autograd here: time the forward alone
+        leaves, needs = list(operands), []
+    else:
+        leaves = [op.detach().requires_grad_(op.is_floating_point()) for op in operands]
+        needs = [op for op in leaves if op.requires_grad]
+
+    def step(plan) -> None:
+        with torch.enable_grad():
+            out = plan.execute(*leaves)
+            if needs:
+                torch.autograd.grad(out, needs, torch.ones_like(out))
+
     timed = [
-        (time_candidate(lambda p=plan: p.execute(*operands), device_type), k, plan)
+        (time_candidate(lambda p=plan: step(p), device_type), k, plan)
         for k, plan in enumerate(candidates)
     ]
     return min(timed, key=lambda t: (t[0], t[1]))[2]
