@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_summary)
 
     p = sub.add_parser("demo", help="optimize and train a transformer, compare with dense")
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", default="runs/demo", help="where the rank plot and CSV go")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)

@@ -57,7 +57,7 @@ def train(model, optimizer, task, steps, batch, seed, trainer=None, log_every=50
     return times
 
 
-def run_demo(steps: int = 800, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
+def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
     torch.manual_seed(seed)
     task = PairTask(vocab_size=8192, sentence_len=8)
     config = SixEncoderConfig(
@@ -83,13 +83,13 @@ def run_demo(steps: int = 800, out: str = "runs/demo", seed: int = 0, batch: int
     start_params = sum(p.numel() for p in model.parameters())
     print(f"\ncompressed model: {start_params:,} parameters, CoMERA training {steps} steps")
     optimizer = torch.optim.AdamW(param_groups(model, lr_cores=1e-3, lr_gates=6e-3, lr_rest=3e-4))
-    early = steps // 2
+    early = steps * 2 // 5
     # l2 on the cores stops them from growing to make up for shrinking gates (a channel
     # switched off at the threshold then carries little); task_target is L_t
     trainer = RankAdaptiveTrainer(
         model,
         optimizer,
-        target_ratio=0.5,
+        target_ratio=0.6,
         early_steps=early,
         prune_every=25,
         l2_weight=1e-4,
