@@ -58,6 +58,10 @@ def train(model, optimizer, task, steps, batch, seed, trainer=None, log_every=50
 
 
 def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
+    if steps < 10:
+        raise ValueError(
+            f"the demo needs at least 10 steps (an early and a late stage), got {steps}"
+        )
     torch.manual_seed(seed)
     task = PairTask(vocab_size=8192, sentence_len=8)
     config = SixEncoderConfig(
@@ -104,9 +108,10 @@ def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: in
         "dense_params": dense_params,
         "comera_params_start": start_params,
         "comera_params_end": final_params,
-        "dense_ms": 1e3 * statistics.median(dense_times[5:]),
-        "comera_early_ms": 1e3 * statistics.median(times[5:early]),
-        "comera_late_ms": 1e3 * statistics.median(times[-max(5, steps // 10) :]),
+        # medians past the first quarter of each phase (plans and allocations warm up there)
+        "dense_ms": 1e3 * statistics.median(dense_times[steps // 4 :]),
+        "comera_early_ms": 1e3 * statistics.median(times[early // 4 : early]),
+        "comera_late_ms": 1e3 * statistics.median(times[-max(1, steps // 10) :]),
     }
     print("\n                       dense      CoMERA")
     dense_acc, comera_acc = results["dense_accuracy"], results["comera_accuracy"]
