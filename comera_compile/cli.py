@@ -35,7 +35,8 @@ def _budget(text: str):
 
 
 def _tensorized(spec: str, budget):
-    from comera_compile.api import optimize, tensorized_layers
+    from comera_compile.api import optimize
+    from comera_compile.nn import tensorized_layers
     from comera_compile.specs import load_spec
 
     loaded = load_spec(spec)

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from comera_compile.training.penalty import tensorized_layers
+from comera_compile.nn import tensorized_layers
 
 
 def param_groups(
@@ -27,7 +27,7 @@ def param_groups(
     what moves them). Empty groups are left out. Each group carries a ``name``.
     """
     cores, gates, seen = [], [], set()
-    for _, layer in tensorized_layers(model):
+    for layer in tensorized_layers(model).values():
         for p in layer.cores:
             if id(p) not in seen and p.requires_grad:
                 cores.append(p)

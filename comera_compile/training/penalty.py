@@ -21,17 +21,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from comera_compile.nn import TensorizedLayer
+from comera_compile.nn import TensorizedLayer, tensorized_layers
 from comera_compile.nn.gates import alive
 
 
-def tensorized_layers(model: nn.Module) -> list[tuple[str, TensorizedLayer]]:
-    """``(name, layer)`` for every tensorized layer in the model (the model itself included)."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, TensorizedLayer)]
-
-
 def _layers(model: nn.Module) -> list[TensorizedLayer]:
-    return [m for _, m in tensorized_layers(model)]
+    return list(tensorized_layers(model).values())
 
 
 def _zero(model: nn.Module) -> Tensor:
@@ -79,7 +74,7 @@ def soft_size(model: nn.Module) -> Tensor:
 
 def effective_ranks(model: nn.Module) -> dict[str, list[int]]:
     """Effective rank list of every tensorized layer, read with one device-to-host copy."""
-    layers = tensorized_layers(model)
+    layers = tensorized_layers(model).items()
     counts = [alive(g, layer.threshold).sum() for _, layer in layers for g in layer.gates]
     flat = torch.stack(counts).tolist() if counts else []
     ranks, i = {}, 0
@@ -100,7 +95,7 @@ def model_size(
     ranks = effective_ranks(model) if ranks is None else ranks
     seen: set[int] = set()
     size = 0
-    for name, layer in tensorized_layers(model):
+    for name, layer in tensorized_layers(model).items():
         params = layer.num_core_parameters(ranks[name]) + sum(ranks[name][1:-1])
         size += params * (layer.cores[0].element_size() if in_bytes else 1)
         seen.update(id(p) for p in (*layer.cores, *layer.gates))
@@ -115,7 +110,7 @@ def tensorized_compression(model: nn.Module, ranks: dict[str, list[int]] | None 
     """Dense weight parameters over core parameters at the effective ranks, over all
     tensorized layers together (biases and gates excluded, as ``compression_ratio``)."""
     ranks = effective_ranks(model) if ranks is None else ranks
-    layers = tensorized_layers(model)
+    layers = tensorized_layers(model).items()
     dense = sum(layer.dense_parameters for _, layer in layers)
     cores = sum(layer.num_core_parameters(ranks[name]) for name, layer in layers)
     return dense / cores if cores else 1.0

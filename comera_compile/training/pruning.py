@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from comera_compile.nn import PruneResult
-from comera_compile.training.penalty import tensorized_layers
+from comera_compile.nn import PruneResult, tensorized_layers
 
 
 def slice_optimizer_state(
@@ -46,7 +45,7 @@ def prune_model(
     cached contraction plans themselves, so the next forward plans for the new ranks.
     """
     results = {}
-    for name, layer in tensorized_layers(model):
+    for name, layer in tensorized_layers(model).items():
         params = [*layer.cores, *layer.gates]
         shapes_before = {id(p): p.shape for p in params}
         result = layer.prune_ranks()
@@ -67,7 +66,7 @@ def keep_min_rank(model: nn.Module, min_rank: int = 1) -> int:
     layers, never silently switch them off. Returns how many entries were lifted.
     """
     lifted = 0
-    for _, layer in tensorized_layers(model):
+    for layer in tensorized_layers(model).values():
         floor = 2 * layer.threshold
         for gate in layer.gates:
             k = min(min_rank, gate.numel())
