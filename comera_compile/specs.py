@@ -22,14 +22,19 @@ class ModelSpec:
     example_inputs: tuple
 
 
-def _six_encoder(config: SixEncoderConfig, seq: int = 128, batch: int = 32) -> ModelSpec:
+def _token_ids(config: SixEncoderConfig, seq: int = 128, batch: int = 32) -> tuple:
+    """``(input_ids, token_type_ids)``: both embeddings are then seen in the forward."""
     ids = torch.randint(0, config.vocab_size, (batch, seq))
-    return ModelSpec(SixEncoderClassifier(config).eval(), (ids,))
+    return ids, torch.zeros_like(ids)
+
+
+def _six_encoder(config: SixEncoderConfig, seq: int = 128) -> ModelSpec:
+    return ModelSpec(SixEncoderClassifier(config).eval(), _token_ids(config, seq))
 
 
 def _reference() -> ModelSpec:
-    spec = _six_encoder(SixEncoderConfig())
-    return ModelSpec(reference_tensorized().eval(), spec.example_inputs)
+    config = SixEncoderConfig()
+    return ModelSpec(reference_tensorized(config).eval(), _token_ids(config))
 
 
 def _mlp() -> ModelSpec:
