@@ -119,15 +119,10 @@ class TTEmbedding(TensorizedLayer):
             raise ValueError("offsets / per_sample_weights need a bag layer (mode='sum'|'mean')")
         flat = input.reshape(-1).long()
         eager = not torch.compiler.is_compiling() and not _capturing()
-        if (
-            eager
-            and flat.numel()
-            and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings)
-        ):
-            raise IndexError(
-                f"ids must lie in [0, {self.num_embeddings}), got [{int(flat.min())}, "
-                f"{int(flat.max())}]"
-            )
+        if eager and flat.numel():  # one host read for both bounds
+            low, high = (int(v) for v in torch.stack(torch.aminmax(flat)).tolist())
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(f"ids must lie in [0, {self.num_embeddings}), got [{low}, {high}]")
         if self.dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
         else:
