@@ -10,12 +10,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 import comera_compile.compile as cc
 from comera_compile.compile import backend as backend_module
 from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
+from comera_compile.training.pruning import prune_model
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +154,6 @@ def test_six_encoder_has_no_graph_break():
 
 
 def test_hugging_face_bert_outputs_and_gradients_match_eager():
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=100,
@@ -234,7 +235,9 @@ def test_fresh_process_finds_the_backend():
 
 
 # ----- the train step -------------------------------------------------------------------
-def test_capture_train_step_trains_on_cpu():
+def test_train_step_on_cpu_trains_and_follows_pruning():
+    """On CPU the step is the compiled forward + eager backward and optimizer step (nothing
+    is recorded: the CUDA Graph path is tested in test_compile_cuda.py)."""
     torch.manual_seed(0)
     model = nn.Sequential(TTLinear(64, 48, ranks=4), nn.GELU(), TTLinear(48, 10, ranks=4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.0)
@@ -252,12 +255,9 @@ def test_capture_train_step_trains_on_cpu():
     # pruning shrinks parameters; the step keeps working at the new shapes
     with torch.no_grad():
         model[0].gates[1][:2] = 0.0
-    pruned = model[0].prune_ranks()
-    assert pruned.total_removed == 2
-    for param, dim, index in pruned.slices:  # keep AdamW's moments aligned with the cores
-        state = optimizer.state[param]
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key] = state[key].index_select(dim, index)
+    pruned = prune_model(model, optimizer)  # AdamW's moments follow the cores
+    assert list(pruned) == ["0"] and pruned["0"].total_removed == 2
+    assert step.records == 0
     step.rerecord()
     with torch.no_grad():
         before = float(loss_fn(model, (x, y)))

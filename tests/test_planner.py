@@ -6,8 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import statistics
-import time
 import warnings
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 
 import comera_compile.planner as planner
 import comera_compile.planner.cache as plan_cache
+import comera_compile.planner.planning as planning
 from comera_compile.planner import (
     EmbeddingPlan,
     Network,
@@ -63,6 +62,27 @@ def _networks():
 
 
 # ----- an independent brute force over every binary contraction tree ---------------------
+def open_legs(network: Network, subset) -> set:
+    """Indices a contraction of the operands in ``subset`` leaves open (plain set math)."""
+    terms = [set(t) for t in network.inputs]
+    inside = set().union(*(terms[k] for k in subset))
+    rest = set(range(len(terms))) - set(subset)
+    outside = set(network.output).union(*(terms[k] for k in rest))
+    return inside & outside
+
+
+def largest_cores_only_intermediate(network: Network, path) -> int:
+    """Elements of the largest intermediate along an SSA ``path`` that holds no ``x``."""
+    groups = [frozenset([k]) for k in range(len(network.inputs))]
+    sizes, largest = network.size_dict, 0
+    for i, j in path:
+        merged = groups[i] | groups[j]
+        groups.append(merged)
+        if 0 not in merged:
+            largest = max(largest, math.prod(sizes[ix] for ix in open_legs(network, merged)))
+    return largest
+
+
 def brute_force_cost(
     network: Network, objective: str = "combo", training: bool = False, no_dense: bool = True
 ):
@@ -141,7 +161,7 @@ def test_no_plan_rebuilds_the_dense_weight():
     plan = get_plan(net, dtype=torch.float32, device_type="cpu")
     assert plan.cost == brute_force_cost(net)
     assert "no dense weight" in plan.optimizer
-    assert plan.order_expression() != "x . (G1 . (G2 . G3))"
+    assert largest_cores_only_intermediate(net, plan.path) < 768 * 768
 
 
 @pytest.mark.parametrize("objective", ["flops", "size", "write", "combo-8"])
@@ -179,20 +199,21 @@ def test_our_dp_matches_cotengra_and_brute_force():
         )
 
 
-def test_training_cost_option_is_optimal_and_rarely_changes_the_tree():
-    changed = []
+def test_training_cost_option_is_optimal_under_each_cost():
+    """Each plan is optimal under its own cost, so neither tree beats the other there."""
+    changed = 0
     for label, net in _networks():
         plain = plan_network(net)
         trained = plan_network(net, training=True)
         assert trained.training and trained.cost == brute_force_cost(net, training=True)
-        plain_cost = evaluate_path(
-            net.inputs, net.output, net.size_dict, plain.path, "combo", training=True
-        ).cost
-        if plain_cost > trained.cost:  # a real change, not a tie broken differently
-            changed.append(label)
-    # measured: only TTM at rank 4 and large batches picks another tree (about 6% cheaper
-    # under the training cost); TT-linear never changes on this grid
-    assert changed == ["ttm-r4-b512", "ttm-r4-b4096"]
+        plain_cost_when_training, trained_cost_when_plain = (
+            evaluate_path(net.inputs, net.output, net.size_dict, p.path, "combo", training=t).cost
+            for p, t in ((plain, True), (trained, False))
+        )
+        assert plain_cost_when_training >= trained.cost, label
+        assert trained_cost_when_plain >= plain.cost, label
+        changed += plain_cost_when_training > trained.cost
+    assert changed < len(list(_networks()))  # the gradient-aware cost is a refinement
 
 
 # ----- an independent reference contraction ----------------------------------------------
@@ -294,19 +315,19 @@ def test_network_shapes_follow_the_spec():
 
 
 def test_plans_differ_across_batch_sizes():
-    small = get_plan(
-        tt_linear_network([12, 8, 8], [8, 8, 12], 30, 1), dtype=torch.float32, device_type="cpu"
-    )
-    large = get_plan(
-        tt_linear_network([12, 8, 8], [8, 8, 12], 30, 4096), dtype=torch.float32, device_type="cpu"
-    )
-    # small batches sweep x through the cores; large ones merge the cores first
-    assert small.order_expression() == "(((((x . G1) . G2) . G3) . G4) . G5) . G6"
-    assert large.order_expression() == "(x . ((G1 . G2) . G3)) . (G4 . (G5 . G6))"
+    """One row is cheapest swept through the cores (x joins the first pair); 4096 rows
+    amortize merging cores first. Both trees are the optimum at their own size."""
+    small_net = tt_linear_network([12, 8, 8], [8, 8, 12], 30, 1)
+    large_net = tt_linear_network([12, 8, 8], [8, 8, 12], 30, 4096)
+    small = get_plan(small_net, dtype=torch.float32, device_type="cpu")
+    large = get_plan(large_net, dtype=torch.float32, device_type="cpu")
+    assert small.cost == brute_force_cost(small_net) and large.cost == brute_force_cost(large_net)
+    assert 0 in small.path[0] and 0 not in large.path[0]
+    assert small.order_expression() != large.order_expression()
 
 
 # ----- caches ------------------------------------------------------------------------------
-def test_memory_cache_buckets_rows_and_hits_fast():
+def test_memory_cache_buckets_rows():
     def plan(rows):
         return get_plan(
             tt_linear_network([12, 8, 8], [8, 8, 12], 16, rows),
@@ -317,28 +338,6 @@ def test_memory_cache_buckets_rows_and_hits_fast():
     p5 = plan(5)
     assert p5 is plan(8) and p5 is plan(7) and p5.rows_bucket == 8
     assert plan(9).rows_bucket == 16
-    net = tt_linear_network([12, 8, 8], [8, 8, 12], 16, 5)
-    start = time.perf_counter()
-    for _ in range(2000):
-        get_plan(net, dtype=torch.float32, device_type="cpu")
-    per_call = (time.perf_counter() - start) / 2000
-    assert per_call < 50e-6
-
-
-def test_planning_time_uncached(monkeypatch):
-    monkeypatch.setenv("COMERA_CACHE_DIR", "off")
-    times = []
-    for rows in (1, 64, 4096):
-        for r in RANKS:
-            net = tt_linear_network([12, 8, 8], [8, 8, 12], r, rows)
-            start = time.perf_counter()
-            plan_network(net)
-            times.append(time.perf_counter() - start)
-    print(
-        f"uncached TT-linear 3+3 planning: median {statistics.median(times) * 1e3:.2f} ms,"
-        f" max {max(times) * 1e3:.2f} ms"
-    )
-    assert max(times) < 0.05
 
 
 def _cache_files(tmp_path: Path) -> list[Path]:
@@ -479,14 +478,32 @@ def test_large_network_uses_cotengra_hyper_deterministically():
     _check_forward_and_grads(net, 16)
 
 
-def test_autotune_picks_a_top_candidate():
+def _timed_candidates(monkeypatch) -> list:
+    """Record the candidate lists autotuning times (the timing itself still runs)."""
+    seen = []
+    real = planning.fastest
+
+    def recording(candidates, *args, **kwargs):
+        seen.append(list(candidates))
+        return real(candidates, *args, **kwargs)
+
+    monkeypatch.setattr(planning, "fastest", recording)
+    return seen
+
+
+def test_autotune_picks_a_top_candidate(monkeypatch):
     net = ttm_linear_network(*TTM_SHAPE, 16, 64)
     ops = [t.float() for t in random_operands(net, 64)]
+    seen = _timed_candidates(monkeypatch)
     plan = get_plan(
         net, dtype=torch.float32, device_type="cpu", autotune=True, operands_example=ops
     )
     assert plan.autotuned and plan.optimizer.startswith("comera.exact_dp(k=4")
-    assert plan.cost >= brute_force_cost(net)
+    (candidates,) = seen
+    costs = [c.cost for c in candidates]
+    assert len(candidates) == 4 and costs == sorted(costs)
+    assert costs[0] == brute_force_cost(net)  # the best by model cost is the optimum
+    assert plan.path in [c.path for c in candidates]
     assert not get_plan(net, dtype=torch.float32, device_type="cpu").autotuned
     _check_forward_and_grads(net, 64)
 
@@ -519,15 +536,16 @@ def embedding_split_macs(m, n, ranks, rows):
 
 @pytest.mark.parametrize("rank", RANKS)
 def test_embedding_split_is_optimal(rank):
-    splits = set()
+    splits = []
     for rows in BATCHES:
         plan = embedding_plan(*EMB_SHAPE, rank, rows)
         costs = embedding_split_macs(*EMB_SHAPE, [rank] * 3, rows)
         assert plan.macs == min(costs.values()) and plan.cost == plan.macs
         assert plan.rows_bucket == rows
-        splits.add(plan.split)
-    # measured: per-core gathers win for few ids, the middle bond from ~100 ids on
-    assert splits == {CHAIN, 2}
+        splits.append(plan.split)
+    # the per-row chain grows with the ids, merging half-chains does not: a few ids take
+    # the chain, thousands a split
+    assert splits[0] == CHAIN and splits[-1] != CHAIN
     assert embedding_plan(*EMB_SHAPE, [1, rank, rank, rank, 1], 3) is embedding_plan(
         *EMB_SHAPE, rank, 4
     )
@@ -592,7 +610,7 @@ def test_embedding_lookup_matches_table_and_grads(m, n, ranks):
 def test_embedding_chain_wins_for_few_ids_and_split_for_many():
     m, n, ranks = [16, 20, 10, 10], [4, 4, 8, 6], [1, 32, 32, 32, 1]
     assert embedding_plan(m, n, ranks, 1).split == CHAIN
-    assert embedding_plan(m, n, ranks, 4096).split == 2
+    assert embedding_plan(m, n, ranks, 4096).split != CHAIN
     record = plan_records_for("emb", embedding_plan(m, n, ranks, 1), None, 768, 1)
     assert record.macs == 4 * 32 * 4 * 32 + 16 * 32 * 8 * 32 + 128 * 32 * 6
 
@@ -674,7 +692,7 @@ def test_bias_fused_into_last_matmul_matches_separate_add(rows):
         assert plan.program().bias_dims == 2
 
 
-def test_reference_order_is_an_autotune_candidate():
+def test_reference_order_is_an_autotune_candidate(monkeypatch):
     from comera_compile.planner.networks import tt_linear_reference_path
     from comera_compile.planner.planning import make_plan
 
@@ -683,5 +701,9 @@ def test_reference_order_is_an_autotune_candidate():
     assert reference.order_expression() == "(x . (G1 . G2)) . (G3 . G4)"
     ops = [torch.randn(s, dtype=torch.float64) for s in net.shapes()]
     torch.testing.assert_close(reference.execute(*ops), plan_network(net).execute(*ops))
+    seen = _timed_candidates(monkeypatch)
     tuned = plan_network(net, autotune=True)
-    assert tuned.autotuned and tuned.optimizer in ("reference order",) or "dp" in tuned.optimizer
+    (candidates,) = seen
+    assert reference.path in [c.path for c in candidates]
+    assert tuned.autotuned and tuned.path in [c.path for c in candidates]
+    assert tuned.optimizer == "reference order" or tuned.optimizer.startswith("comera.exact_dp")
