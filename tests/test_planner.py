@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -338,6 +339,45 @@ def test_memory_cache_buckets_rows():
     p5 = plan(5)
     assert p5 is plan(8) and p5 is plan(7) and p5.rows_bucket == 8
     assert plan(9).rows_bucket == 16
+
+
+def test_lru_forgets_the_least_recently_used():
+    lru = plan_cache.LRU(2)
+    lru.put("a", 1)
+    lru.put("b", 2)
+    assert lru.get("a") == 1  # "a" is now the most recent
+    lru.put("c", 3)
+    assert (lru.get("a"), lru.get("b"), lru.get("c"), len(lru)) == (1, None, 3, 2)
+
+
+def test_memory_caches_are_bounded(monkeypatch):
+    monkeypatch.setenv("COMERA_CACHE_DIR", "off")
+    monkeypatch.setattr(plan_cache._requests, "maxsize", 3)
+    monkeypatch.setattr(plan_cache._buckets, "maxsize", 3)
+    nets = [tt_linear_network([4, 4], [4, 4], 2, rows) for rows in (1, 2, 4, 8)]
+
+    def plan(net):
+        return get_plan(net, dtype=torch.float32, device_type="cpu")
+
+    first, *_, last = [plan(net) for net in nets]  # the 4th evicts the 1st from both
+    assert len(plan_cache._requests) == len(plan_cache._buckets) == 3
+    assert plan(nets[3]) is last and plan(nets[0]) is not first
+
+
+def test_disk_cache_evicts_the_least_recently_used_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_cache, "MAX_DISK_ENTRIES", 3)
+    nets = [tt_linear_network([4, 4], [4, 4], 2, rows) for rows in (1, 2, 4, 8)]
+    files = []
+    for age, net in enumerate(nets[:3]):
+        get_plan(net, dtype=torch.float32, device_type="cpu")
+        (new,) = set(_cache_files(tmp_path)) - set(files)
+        os.utime(new, (1000 + age, 1000 + age))  # written in this order, seconds apart
+        files.append(new)
+    clear_memory_cache()
+    get_plan(nets[0], dtype=torch.float32, device_type="cpu")  # a disk hit refreshes it
+    get_plan(nets[3], dtype=torch.float32, device_type="cpu")  # the 4th file evicts one
+    left = _cache_files(tmp_path)
+    assert len(left) == 3 and files[1] not in left and {files[0], files[2]} <= set(left)
 
 
 def _cache_files(tmp_path: Path) -> list[Path]:

@@ -1,21 +1,28 @@
-"""Plan caches: an in-memory dict (hit on every forward) over a JSON-file disk cache.
+"""Plan caches: an in-memory LRU (hit on every forward) over a JSON-file disk cache.
 
 ``get_plan`` is called from layer forwards on every step, so a hit is one dict lookup on
 a key of small hashable values (the network caches its own hash). The disk cache lives in
 ``$COMERA_CACHE_DIR`` (``off`` disables it) or ``~/.cache/comera_compile/plans``; each
 entry is re-validated on load (key, versions, path, recomputed costs) and re-planned and
 overwritten when anything is off: a cache file is never trusted.
+
+Both are bounded: rank pruning keeps creating new networks (one per layer, bucket and
+rank layout), so the memory caches drop their least recently used plans and the disk
+cache deletes its least recently used files beyond ``MAX_DISK_ENTRIES`` (a load hit
+refreshes a file's modification time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +37,42 @@ from .planning import plan_network
 
 log = logging.getLogger(__name__)
 
-_requests: dict[tuple, Plan] = {}
-_buckets: dict[tuple, Plan] = {}
+MAX_REQUESTS = 4096
+"""In-memory plans kept per exact request (network, dtype, device, options)."""
+MAX_BUCKETS = 1024
+"""In-memory plans kept per bucketed network (several row counts share one)."""
+MAX_DISK_ENTRIES = 2048
+"""Plan files kept in the disk cache directory (a few kB each)."""
+
+
+class LRU:
+    """A dict bounded to ``maxsize`` entries that forgets the least recently used first."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._data: OrderedDict[Hashable, Plan] = OrderedDict()
+
+    def get(self, key: Hashable) -> Plan | None:
+        plan = self._data.get(key)
+        if plan is not None:
+            self._data.move_to_end(key)
+        return plan
+
+    def put(self, key: Hashable, plan: Plan) -> None:
+        self._data[key] = plan
+        self._data.move_to_end(key)
+        while len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+_requests = LRU(MAX_REQUESTS)
+_buckets = LRU(MAX_BUCKETS)
 _unwritable: set[str] = set()
 
 
@@ -123,10 +164,13 @@ def load_entry(path: Path, key: dict[str, Any], network: Network) -> Plan | None
     except OSError:
         return None
     try:
-        return check_entry(json.loads(text), key, network)
+        plan = check_entry(json.loads(text), key, network)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         log.debug("re-planning: invalid plan cache entry %s (%s)", path, err)
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # recently used: evicted last
+    return plan
 
 
 def store_entry(path: Path, key: dict[str, Any], plan: Plan) -> None:
@@ -152,6 +196,27 @@ def store_entry(path: Path, key: dict[str, Any], plan: Plan) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+        return
+    try:
+        evict_oldest(directory, MAX_DISK_ENTRIES)
+    except OSError as err:  # another process may be evicting too
+        log.debug("plan cache eviction in %s stopped: %s", directory, err)
+
+
+def evict_oldest(directory: Path, keep: int) -> None:
+    """Delete the least recently used plan files beyond the newest ``keep``."""
+    files = list(directory.glob("*.json"))
+    if len(files) <= keep:
+        return
+    by_age = []
+    for file in files:
+        try:
+            by_age.append((file.stat().st_mtime, file.name, file))
+        except OSError:  # removed meanwhile by another process
+            continue
+    by_age.sort()
+    for _, _, file in by_age[: max(0, len(by_age) - keep)]:
+        file.unlink(missing_ok=True)
 
 
 def get_plan(
@@ -180,8 +245,8 @@ def get_plan(
         plan = _load_or_plan(
             bucketed, dtype, device_type, objective, training, autotune, operands_example
         )
-        _buckets[bucket_key] = plan
-    _requests[request] = plan
+        _buckets.put(bucket_key, plan)
+    _requests.put(request, plan)
     return plan
 
 
