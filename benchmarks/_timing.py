@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from comera_compile.tables import text_table
+
 
 def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 3) -> float:
     """Median wall time of ``fn()``; synchronizes CUDA so GPU work is counted."""
@@ -46,9 +48,5 @@ def forward_backward(module: torch.nn.Module, inputs: tuple, forward=None) -> Ca
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
-    """An aligned plain-text table."""
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join(h.rjust(w) for h, w in zip(header, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(out)
+    """An aligned plain-text table, numbers right-aligned as the reports print them."""
+    return text_table(header, rows, right=range(len(header)))

@@ -1,6 +1,7 @@
 """Property tests (hypothesis) for the format math over random shapes and ranks:
-factorizations cover their sizes, TT/TTM-SVD round trips, the TT-SVD error bounds,
-and pruning dead rank channels leaves every layer's output unchanged."""
+factorizations cover their sizes, rank lists mean the same in every spelling, TT/TTM-SVD
+round trips, the TT-SVD error bounds, and pruning dead rank channels leaves every layer's
+output unchanged."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comera_compile.formats import (
+    chain_ranks,
     clip_ranks,
     factorize,
+    fit_ranks,
+    internal_ranks,
+    rank_caps,
     tt_linear_modes,
     tt_svd,
     tt_svd_with_error,
@@ -178,3 +183,31 @@ def test_pruning_keeps_embedding_rows(num, dim, rank, data):
     layer.prune_ranks()
     assert layer.ranks[1:-1] == [max(n, 1) for n in live]
     torch.testing.assert_close(layer(ids), before)
+
+
+# ----- rank lists -----------------------------------------------------------------------
+@FAST
+@given(internal=st.lists(st.integers(1, 9), min_size=0, max_size=5))
+def test_every_rank_spelling_means_the_same(internal):
+    cores = len(internal) + 1
+    assert internal_ranks(internal, cores) == internal
+    assert internal_ranks([1, *internal, 1], cores) == internal
+    assert chain_ranks(internal, cores) == [1, *internal, 1]
+    if internal:
+        assert internal_ranks(internal[0], cores) == [internal[0]] * len(internal)
+    with pytest.raises(ValueError, match="internal ranks"):
+        internal_ranks([*internal, 1, 1, 1], cores)
+
+
+@FAST
+@given(dims=st.lists(st.integers(1, 6), min_size=1, max_size=5), data=st.data())
+def test_fit_ranks_takes_lists_within_the_caps_and_names_the_bonds_above(dims, data):
+    caps = rank_caps(dims)
+    fitting = [data.draw(st.integers(1, c)) for c in caps]
+    assert fit_ranks(dims, fitting) == [1, *fitting, 1]
+    assert fit_ranks(dims, 10**6) == clip_ranks(dims, 10**6) == [1, *caps, 1]
+    if caps:
+        bond = data.draw(st.integers(0, len(caps) - 1))
+        too_big = [*fitting[:bond], caps[bond] + 1, *fitting[bond + 1 :]]
+        with pytest.raises(ValueError, match=f"bond {bond + 1}: "):
+            fit_ranks(dims, too_big)

@@ -1,5 +1,9 @@
-"""Pure tensor math for TT formats: modes, ranks, TT/TTM-SVD, reconstruction, counts."""
+"""Pure tensor math for TT formats: modes, ranks, TT/TTM-SVD, reconstruction, counts.
 
+Also the door checks every layer shares (positive ints, rank lists), kept at the bottom of
+the package so that formats, planner and layers all read arguments the same way."""
+
+from ._checks import positive_int, positive_ints
 from .counts import (
     core_params,
     dense_linear_macs,
@@ -8,25 +12,25 @@ from .counts import (
     ttm_linear_macs,
     ttm_params,
 )
-from .factorize import (
-    Factorization,
-    choose_order,
-    clip_ranks,
-    factorize,
-    tt_linear_modes,
-    ttm_modes,
-)
+from .factorize import Factorization, choose_order, factorize, tt_linear_modes, ttm_modes
+from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
 from .tt import merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
 from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
 
 __all__ = [
     "Factorization",
+    "chain_ranks",
     "choose_order",
     "clip_ranks",
     "core_params",
     "dense_linear_macs",
     "factorize",
+    "fit_ranks",
+    "internal_ranks",
     "merge_cores",
+    "positive_int",
+    "positive_ints",
+    "rank_caps",
     "tt_linear_macs",
     "tt_linear_modes",
     "tt_linear_params",

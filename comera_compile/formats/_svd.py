@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import as_rank_list
+from .ranks import internal_ranks
 
 _SVD_UNSUPPORTED = (torch.float16, torch.bfloat16)
 
@@ -37,7 +37,7 @@ def chain_svd(
         raise ValueError(
             f"tensor has {tensor.numel()} entries but dims {dims} need {math.prod(dims)}"
         )
-    caps = as_rank_list(max_rank, num - 1, "max_rank") if max_rank is not None else None
+    caps = internal_ranks(max_rank, num, "max_rank") if max_rank is not None else None
     if tolerance is not None and tolerance < 0:
         raise ValueError(f"tolerance must be >= 0 (relative Frobenius error), got {tolerance!r}")
     out_dtype = tensor.dtype

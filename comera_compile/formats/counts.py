@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ._checks import as_modes, check_full_ranks
+from ._checks import positive_ints
+from .ranks import chain_ranks
 
 
 def core_params(shapes: Sequence[Sequence[int]]) -> int:
@@ -17,18 +18,18 @@ def tt_linear_params(
     in_modes: Sequence[int], out_modes: Sequence[int], ranks: Sequence[int]
 ) -> int:
     """Parameters of a TT-linear chain: sum_k r_{k-1} n_k r_k (gates not included)."""
-    modes = as_modes(in_modes, "in_modes") + as_modes(out_modes, "out_modes")
-    ranks = check_full_ranks(ranks, len(modes))
+    modes = positive_ints("in_modes", in_modes) + positive_ints("out_modes", out_modes)
+    ranks = chain_ranks(ranks, len(modes))
     return core_params([(ranks[k], n, ranks[k + 1]) for k, n in enumerate(modes)])
 
 
 def ttm_params(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]) -> int:
     """Parameters of a TTM chain: sum_k r_{k-1} m_k n_k r_k (gates not included)."""
-    rows = as_modes(row_modes, "row_modes")
-    cols = as_modes(col_modes, "col_modes")
+    rows = positive_ints("row_modes", row_modes)
+    cols = positive_ints("col_modes", col_modes)
     if len(rows) != len(cols):
         raise ValueError(f"TTM needs as many row modes as col modes, got {rows} and {cols}")
-    ranks = check_full_ranks(ranks, len(rows))
+    ranks = chain_ranks(ranks, len(rows))
     return core_params([(ranks[k], m, n, ranks[k + 1]) for k, (m, n) in enumerate(zip(rows, cols))])
 
 
@@ -50,9 +51,9 @@ def tt_linear_macs(
     left into R (r_d x N_out) (batch-independent, counted if ``include_merge``), then
     x @ L @ R: rows * r_d * (N_in + N_out).
     """
-    ins = as_modes(in_modes, "in_modes")
-    outs = as_modes(out_modes, "out_modes")
-    ranks = check_full_ranks(ranks, len(ins) + len(outs))
+    ins = positive_ints("in_modes", in_modes)
+    outs = positive_ints("out_modes", out_modes)
+    ranks = chain_ranks(ranks, len(ins) + len(outs))
     d = len(ins)
     n_in, n_out, r_mid = math.prod(ins), math.prod(outs), ranks[d]
     macs = int(rows) * r_mid * (n_in + n_out)
@@ -78,11 +79,11 @@ def ttm_linear_macs(
     Step k contracts (r_{k-1}, n_k) of the running tensor
     (rows, m_1..m_{k-1}, r_{k-1}, n_k..n_d) with core k, producing m_k and r_k.
     """
-    ms = as_modes(row_modes, "row_modes")
-    ns = as_modes(col_modes, "col_modes")
+    ms = positive_ints("row_modes", row_modes)
+    ns = positive_ints("col_modes", col_modes)
     if len(ms) != len(ns):
         raise ValueError(f"TTM needs as many row modes as col modes, got {ms} and {ns}")
-    ranks = check_full_ranks(ranks, len(ms))
+    ranks = chain_ranks(ranks, len(ms))
     macs = 0
     for k in range(len(ms)):
         done_rows = math.prod(ms[:k])

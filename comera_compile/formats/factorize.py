@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ._checks import as_int, as_rank_list, prod
+from ._checks import positive_int, prod
 
 # A factorization is "good" if no factor exceeds this multiple of size**(1/order).
 _MAX_FACTOR_RATIO = 2.0
@@ -101,9 +101,9 @@ def factorize(size: int, order: int, max_padding: float = 0.1) -> Factorization:
     first whose most balanced factorization has no mode of 1 and no mode above twice the
     balanced root wins. If none does, the best-balanced candidate in that range is used.
     """
-    size = as_int(size, "size")
+    size = positive_int("size", size)
     try:
-        order = as_int(order, "order")
+        order = positive_int("order", order)
     except ValueError as exc:
         raise ValueError(f"{exc}; use choose_order(size) for a default") from None
     if max_padding < 0:
@@ -132,7 +132,7 @@ def choose_order(size: int) -> int:
 
     768 -> 3, 3072 -> 3, 32000 -> 4, 64 -> 2, sizes below 16 -> 1.
     """
-    size = as_int(size, "size")
+    size = positive_int("size", size)
     if size < 16:
         return 1
     return max(2, math.floor(math.log(size) / math.log(_TARGET_MODE) + 0.5))
@@ -141,7 +141,7 @@ def choose_order(size: int) -> int:
 def _resolve_order(order: int | None, *sizes: int) -> int:
     if order is None:
         return max(choose_order(s) for s in sizes)
-    return as_int(order, "order (or None for automatic)")
+    return positive_int("order (or None for automatic)", order)
 
 
 def tt_linear_modes(
@@ -175,17 +175,3 @@ def ttm_modes(
         Factorization(frow.size, tuple(sorted(frow.modes, reverse=True))),
         Factorization(fcol.size, tuple(sorted(fcol.modes))),
     )
-
-
-def clip_ranks(dims: Sequence[int], rank: int | Sequence[int]) -> list[int]:
-    """Full rank list ``[1, r_1, ..., r_{L-1}, 1]`` with each bond clipped to what it can hold.
-
-    Bond k can never usefully exceed prod(dims[:k]) or prod(dims[k:]) (the matricization
-    rank), so larger requests only waste parameters.
-    """
-    dims = [int(d) for d in dims]
-    if not dims or any(d < 1 for d in dims):
-        raise ValueError(f"dims must be a non-empty sequence of positive ints, got {dims!r}")
-    requested = as_rank_list(rank, len(dims) - 1)
-    inner = [min(r, prod(dims[:k]), prod(dims[k:])) for k, r in enumerate(requested, start=1)]
-    return [1, *inner, 1]

@@ -13,11 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import as_modes, check_full_ranks
+from ._checks import positive_ints
 from ._svd import chain_svd
+from .ranks import chain_ranks
 
 
-def _check_matrix(matrix: Tensor, in_modes: list[int], out_modes: list[int]) -> None:
+def _check_matrix(matrix: Tensor, in_modes: Sequence[int], out_modes: Sequence[int]) -> None:
     n_in, n_out = math.prod(in_modes), math.prod(out_modes)
     if matrix.dim() != 2 or tuple(matrix.shape) != (n_in, n_out):
         raise ValueError(
@@ -35,8 +36,8 @@ def tt_svd_with_error(
     tolerance: float | None = None,
 ) -> tuple[list[Tensor], float]:
     """TT-SVD of ``matrix`` plus the absolute Frobenius error bound of the truncation."""
-    in_modes = as_modes(in_modes, "in_modes")
-    out_modes = as_modes(out_modes, "out_modes")
+    in_modes = positive_ints("in_modes", in_modes)
+    out_modes = positive_ints("out_modes", out_modes)
     _check_matrix(matrix, in_modes, out_modes)
     return chain_svd(matrix, in_modes + out_modes, max_rank, tolerance)
 
@@ -65,7 +66,7 @@ def merge_cores(cores: Sequence[Tensor]) -> Tensor:
     return acc
 
 
-def _check_cores(cores: Sequence[Tensor], modes: list[int]) -> None:
+def _check_cores(cores: Sequence[Tensor], modes: Sequence[int]) -> None:
     if len(cores) != len(modes):
         raise ValueError(f"got {len(cores)} cores for {len(modes)} modes {modes}")
     r_prev = 1
@@ -83,8 +84,8 @@ def tt_to_dense(
     cores: Sequence[Tensor], in_modes: Sequence[int], out_modes: Sequence[int]
 ) -> Tensor:
     """Rebuild W (N_in x N_out) as L @ R, L = merged input cores, R = merged output cores."""
-    in_modes = as_modes(in_modes, "in_modes")
-    out_modes = as_modes(out_modes, "out_modes")
+    in_modes = positive_ints("in_modes", in_modes)
+    out_modes = positive_ints("out_modes", out_modes)
     _check_cores(cores, in_modes + out_modes)
     d = len(in_modes)
     left = merge_cores(cores[:d])  # (N_in, r_d)
@@ -126,7 +127,7 @@ def tt_random_cores(
     generator: torch.Generator | None = None,
 ) -> list[Tensor]:
     """Random TT-linear cores with var(W_ij) = sigma^2 (core k std sigma^(1/L)/sqrt(r_k))."""
-    modes = as_modes(in_modes, "in_modes") + as_modes(out_modes, "out_modes")
-    ranks = check_full_ranks(ranks, len(modes))
+    modes = positive_ints("in_modes", in_modes) + positive_ints("out_modes", out_modes)
+    ranks = chain_ranks(ranks, len(modes))
     shapes = [(ranks[k], n, ranks[k + 1]) for k, n in enumerate(modes)]
     return random_chain_cores(shapes, sigma, dtype, device, generator)

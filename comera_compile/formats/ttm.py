@@ -13,14 +13,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import as_modes, check_full_ranks
+from ._checks import positive_ints
 from ._svd import chain_svd
+from .ranks import chain_ranks
 from .tt import random_chain_cores
 
 
-def _check_pair(row_modes: Sequence[int], col_modes: Sequence[int]) -> tuple[list[int], list[int]]:
-    rows = as_modes(row_modes, "row_modes")
-    cols = as_modes(col_modes, "col_modes")
+def _check_pair(
+    row_modes: Sequence[int], col_modes: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    rows = positive_ints("row_modes", row_modes)
+    cols = positive_ints("col_modes", col_modes)
     if len(rows) != len(cols):
         raise ValueError(
             f"TTM needs as many row modes as col modes, got {rows} and {cols}; "
@@ -102,6 +105,6 @@ def ttm_random_cores(
 ) -> list[Tensor]:
     """Random TTM cores with entry variance sigma^2 (core k std sigma^(1/d)/sqrt(r_k))."""
     rows, cols = _check_pair(row_modes, col_modes)
-    ranks = check_full_ranks(ranks, len(rows))
+    ranks = chain_ranks(ranks, len(rows))
     shapes = [(ranks[k], m, n, ranks[k + 1]) for k, (m, n) in enumerate(zip(rows, cols))]
     return random_chain_cores(shapes, sigma, dtype, device, generator)

@@ -55,10 +55,6 @@ def _slice_parameter(param: nn.Parameter, dim: int, index: Tensor) -> None:
         param.grad = param.grad.index_select(dim, index).contiguous()
 
 
-def next_power_of_two(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 class TensorizedLayer(nn.Module):
     """Base class: cores + rank gates + pruning + a state dict that carries the layout."""
 

@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_compile.nn.base import next_power_of_two
-from comera_compile.planner import PlanRecord, get_plan, plan_records_for
+from comera_compile.planner import PlanRecord, get_plan, next_power_of_two, plan_records_for
 
 traced_contraction = None
 """Set by ``comera_compile.compile``: while torch.compile traces, the contraction goes through

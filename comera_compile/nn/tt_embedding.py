@@ -16,12 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_compile.formats import ttm_modes, ttm_random_cores, ttm_svd, ttm_to_dense
-from comera_compile.nn._checks import full_ranks, modes_cover, positive_int
-from comera_compile.nn.base import TensorizedLayer, next_power_of_two
+from comera_compile.formats import (
+    fit_ranks,
+    positive_int,
+    ttm_modes,
+    ttm_random_cores,
+    ttm_svd,
+    ttm_to_dense,
+)
+from comera_compile.nn._checks import modes_cover
+from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.tt_linear import _padded
-from comera_compile.planner import PlanRecord, embedding_plan, plan_records_for
+from comera_compile.planner import PlanRecord, embedding_plan, next_power_of_two, plan_records_for
 
 _BAG_MODES = (None, "sum", "mean", "max")
 
@@ -65,7 +72,7 @@ class TTEmbedding(TensorizedLayer):
         col_modes = modes_cover("col_modes", col_modes or auto_cols.modes, embedding_dim)
         if len(row_modes) != len(col_modes):
             raise ValueError(f"row_modes {row_modes} and col_modes {col_modes} differ in length")
-        rank_list = full_ranks([m * n for m, n in zip(row_modes, col_modes)], ranks)
+        rank_list = fit_ranks([m * n for m, n in zip(row_modes, col_modes)], ranks)
         # nn.Embedding draws N(0, 1): unit variance per entry.
         cores = ttm_random_cores(row_modes, col_modes, rank_list, 1.0, dtype=dtype, device=device)
         super().__init__(cores, threshold)

@@ -14,8 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_compile.formats import tt_linear_modes, tt_random_cores, tt_svd, tt_to_dense
-from comera_compile.nn._checks import full_ranks, modes_cover, positive_int
+from comera_compile.formats import (
+    fit_ranks,
+    merge_cores,
+    positive_int,
+    tt_linear_modes,
+    tt_random_cores,
+    tt_svd,
+    tt_to_dense,
+)
+from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.linear_common import PlannedLinearMixin
@@ -45,7 +53,7 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         auto_in, auto_out = tt_linear_modes(in_features, out_features, order)
         in_modes = modes_cover("in_modes", in_modes or auto_in.modes, in_features)
         out_modes = modes_cover("out_modes", out_modes or auto_out.modes, out_features)
-        rank_list = full_ranks(in_modes + out_modes, ranks)
+        rank_list = fit_ranks(in_modes + out_modes, ranks)
         # nn.Linear's default weight variance is 1 / (3 in_features); match it.
         sigma = 1.0 / math.sqrt(3 * in_features)
         cores = tt_random_cores(in_modes, out_modes, rank_list, sigma, dtype=dtype, device=device)
@@ -71,7 +79,7 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         the baseline the planner is measured against."""
         d = len(self.in_modes)
         cores = self.gated_cores()
-        left, right = merge_left(cores[:d]), merge_right(cores[d:])
+        left, right = merge_cores(cores[:d]), merge_right(cores[d:])
         x2 = self._pad_input(x.reshape(-1, self.in_features))
         y = (x2 @ left) @ right
         return self._finish(y, x.shape[:-1])
@@ -105,14 +113,6 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         if module.bias is not None:
             layer.bias.data.copy_(module.bias.detach())
         return layer
-
-
-def merge_left(cores: Sequence[Tensor]) -> Tensor:
-    """Chain ``(1, n_1, r_1) .. (r_{k-1}, n_k, r_k)`` into an ``(n_1..n_k, r_k)`` matrix."""
-    acc = cores[0].reshape(-1, cores[0].shape[-1])
-    for core in cores[1:]:
-        acc = (acc @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
-    return acc
 
 
 def merge_right(cores: Sequence[Tensor]) -> Tensor:

@@ -13,8 +13,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from comera_compile.formats import ttm_modes, ttm_random_cores, ttm_svd, ttm_to_dense
-from comera_compile.nn._checks import full_ranks, modes_cover, positive_int
+from comera_compile.formats import (
+    fit_ranks,
+    positive_int,
+    ttm_modes,
+    ttm_random_cores,
+    ttm_svd,
+    ttm_to_dense,
+)
+from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.linear_common import PlannedLinearMixin
@@ -53,7 +60,7 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
                 f"{list(out_modes)}; use TTLinear for unequal orders"
             )
         dims = [m * n for m, n in zip(out_modes, in_modes)]
-        rank_list = full_ranks(dims, ranks)
+        rank_list = fit_ranks(dims, ranks)
         sigma = 1.0 / math.sqrt(3 * in_features)  # nn.Linear's default weight variance
         cores = ttm_random_cores(out_modes, in_modes, rank_list, sigma, dtype=dtype, device=device)
         super().__init__(cores, threshold)

@@ -15,6 +15,7 @@ from torch import nn
 from comera_compile.nn import TensorizedLayer, TTEmbedding
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
+from comera_compile.tables import text_table
 
 REPORT_ATTR = "_comera_report"
 
@@ -88,7 +89,7 @@ class Summary:
     def __str__(self) -> str:
         header = ("layer", "original", "format", "modes", "ranks (effective)",
                   "params", "MACs/row")
-        rows = [header]
+        rows = []
         for r in self.records:
             sep = " x " if r["format"] == "tt_embedding" else " -> "
             ranks = str(r["ranks"])
@@ -100,11 +101,10 @@ class Summary:
                 f"{r['params_before']:,} -> {r['params_after']:,} ({r['compression']:.1f}x)",
                 f"{r['macs_per_row_before']:,} -> {r['macs_per_row_after']:,}",
             ))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = []
         if self.capture_path:
             lines.append(f"capture: {self.capture_path} ({self.capture_reason})")
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(text_table(header, rows))
         lines.append(
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
             f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized"

@@ -9,7 +9,10 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 
+from ..formats import internal_ranks, positive_ints
 from .network import BATCH, Network
+
+_positive = positive_ints  # the name the embedding planner imports
 
 _LETTERS = [c for c in string.ascii_lowercase + string.ascii_uppercase if c != BATCH]
 
@@ -18,35 +21,6 @@ def _letters(count: int) -> list[str]:
     if count > len(_LETTERS):
         raise ValueError(f"a network with {count} indices exceeds the {len(_LETTERS)} letters")
     return _LETTERS[:count]
-
-
-def _positive(name: str, values: Sequence[int]) -> tuple[int, ...]:
-    out = tuple(int(v) for v in values)
-    if not out or any(v < 1 for v in out):
-        raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {values!r}")
-    return out
-
-
-def internal_ranks(ranks: int | Sequence[int], cores: int) -> tuple[int, ...]:
-    """The ``cores - 1`` bond ranks from an int, the internal ranks, or ``[1, r.., 1]``."""
-    if isinstance(ranks, int):
-        out = (ranks,) * (cores - 1)
-    else:
-        full = tuple(int(r) for r in ranks)
-        if len(full) == cores + 1:
-            if full[0] != 1 or full[-1] != 1:
-                raise ValueError(f"boundary ranks must be 1, got {list(full)}")
-            out = full[1:-1]
-        elif len(full) == cores - 1:
-            out = full
-        else:
-            raise ValueError(
-                f"{cores} cores need {cores - 1} internal ranks or {cores + 1} with the "
-                f"boundary 1s, got {len(full)}: {list(full)}"
-            )
-    if any(r < 1 for r in out):
-        raise ValueError(f"ranks must be positive, got {list(out)}")
-    return out
 
 
 def _chain_terms(physical: list[str], bonds: list[str]) -> list[str]:
@@ -71,8 +45,8 @@ def tt_linear_network(
 
     Cores run input modes first, then output modes (REFERENCE); ``d != d'`` is allowed.
     """
-    n = _positive("in_modes", in_modes)
-    m = _positive("out_modes", out_modes)
+    n = positive_ints("in_modes", in_modes)
+    m = positive_ints("out_modes", out_modes)
     cores = len(n) + len(m)
     r = internal_ranks(ranks, cores)
     letters = _letters(2 * cores - 1)
@@ -86,8 +60,8 @@ def ttm_linear_network(
     in_modes: Sequence[int], out_modes: Sequence[int], ranks: int | Sequence[int], rows: int
 ) -> Network:
     """``y[b, m..] = x[b, n..] * G1[m1, n1, r1] ... G_d[r, m_d, n_d]`` (TTM, weight (out, in))."""
-    n = _positive("in_modes", in_modes)
-    m = _positive("out_modes", out_modes)
+    n = positive_ints("in_modes", in_modes)
+    m = positive_ints("out_modes", out_modes)
     if len(n) != len(m):
         raise ValueError(f"TTM needs as many in modes as out modes, got {list(n)} / {list(m)}")
     d = len(n)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..tables import text_table
 from .costs import evaluate_path
 from .embedding import CHAIN, EmbeddingPlan, chain_costs, split_costs
 from .network import BATCH, Network
@@ -83,19 +84,7 @@ class PlanReport:
             )
             for r in self.records
         ]
-        widths = [max(len(c) for c in col) for col in zip(header, *rows)]
-        right = {2, 3, 4, 5, 6}
-
-        def fmt(cells) -> str:
-            parts = [
-                c.rjust(w) if k in right else c.ljust(w)
-                for k, (c, w) in enumerate(zip(cells, widths))
-            ]
-            return "  ".join(parts).rstrip()
-
-        lines = [fmt(header), fmt(["-" * w for w in widths])]
-        lines += [fmt(r) for r in rows]
-        return "\n".join(lines)
+        return text_table(header, rows, right={2, 3, 4, 5, 6})
 
 
 def plan_records_for(
