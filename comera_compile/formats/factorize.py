@@ -152,13 +152,7 @@ def tt_linear_modes(
     The large modes sit at both ends of the chain, where ranks are clipped to the mode
     size anyway, so the wide middle bonds meet the small modes. 768x768 -> [12,8,8],[8,8,12].
     """
-    order = _resolve_order(order, in_features, out_features)
-    fin = factorize(in_features, order)
-    fout = factorize(out_features, order)
-    return (
-        Factorization(fin.size, tuple(sorted(fin.modes, reverse=True))),
-        Factorization(fout.size, tuple(sorted(fout.modes))),
-    )
+    return _descending_then_ascending(in_features, out_features, order)
 
 
 def ttm_modes(
@@ -168,10 +162,17 @@ def ttm_modes(
 
     Rows are descending and columns ascending so each core's m_k * n_k is balanced.
     """
-    order = _resolve_order(order, rows, cols)
-    frow = factorize(rows, order)
-    fcol = factorize(cols, order)
+    return _descending_then_ascending(rows, cols, order)
+
+
+def _descending_then_ascending(
+    first: int, second: int, order: int | None
+) -> tuple[Factorization, Factorization]:
+    """Both sizes factorized with one order: the first's modes descending, the second's
+    ascending (what both chain layouts want, for the reasons their docstrings give)."""
+    order = _resolve_order(order, first, second)
+    one, two = factorize(first, order), factorize(second, order)
     return (
-        Factorization(frow.size, tuple(sorted(frow.modes, reverse=True))),
-        Factorization(fcol.size, tuple(sorted(fcol.modes))),
+        Factorization(one.size, tuple(sorted(one.modes, reverse=True))),
+        Factorization(two.size, tuple(sorted(two.modes))),
     )
