@@ -28,9 +28,6 @@ class PairTask:
     def seq_len(self) -> int:
         return 2 * self.sentence_len + 3
 
-    def is_marked(self, ids: Tensor) -> Tensor:
-        return (ids >= FIRST_WORD) & (ids < FIRST_WORD + self.markers)
-
     def _sentence(self, marked: Tensor, generator: torch.Generator) -> Tensor:
         """Words with exactly ``marked[i]`` marked ones, at random places."""
         size, n = marked.shape[0], self.sentence_len

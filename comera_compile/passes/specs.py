@@ -7,7 +7,6 @@ budget the search meets is the budget ``sum(p.numel() for p in model.parameters(
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,8 +112,3 @@ def make_spec(
                      tuple(out_modes), (), cand.bias and not cand.is_embedding)
     ranks = clip_ranks(spec.chain_dims, rank) if isinstance(rank, int) else list(rank)
     return LayerSpec(**{**spec.__dict__, "ranks": tuple(ranks)})
-
-
-def max_useful_rank(spec: LayerSpec) -> int:
-    """The rank cap above which no bond grows (the widest matricization)."""
-    return max(clip_ranks(spec.chain_dims, math.prod(spec.chain_dims)))
