@@ -27,6 +27,7 @@ from comera_compile.formats import (
     ttm_svd,
     ttm_svd_with_error,
     ttm_to_dense,
+    zero_pad,
 )
 from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
 
@@ -74,6 +75,18 @@ def test_clip_ranks_is_the_matricization_rank(dims, rank):
     assert len(ranks) == len(dims) + 1 and ranks[0] == ranks[-1] == 1
     for k in range(1, len(dims)):
         assert ranks[k] == min(rank, math.prod(dims[:k]), math.prod(dims[k:]))
+
+
+@FAST
+@given(size=st.integers(1, 300), other=st.integers(1, 30), order=st.integers(1, 3))
+def test_zero_padding_to_the_factorization_keeps_the_matrix(size, other, order):
+    padded = factorize(size, order).padded
+    w = _matrix(size, other, seed=size)
+    out = zero_pad(w, padded, other + 1)
+    assert out.shape == (padded, other + 1) and torch.equal(out[:size, :other], w)
+    assert float(out.abs().sum()) == pytest.approx(float(w.abs().sum()))
+    with pytest.raises(ValueError, match="zero-pad"):
+        zero_pad(w, size - 1, other) if size > 1 else zero_pad(w, size, other - 1)
 
 
 # ----- TT-SVD and TTM-SVD ---------------------------------------------------------------

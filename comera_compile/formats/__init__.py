@@ -12,7 +12,14 @@ from .counts import (
     ttm_linear_macs,
     ttm_params,
 )
-from .factorize import Factorization, choose_order, factorize, tt_linear_modes, ttm_modes
+from .factorize import (
+    Factorization,
+    choose_order,
+    factorize,
+    tt_linear_modes,
+    ttm_modes,
+    zero_pad,
+)
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
 from .tt import merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
 from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
@@ -45,4 +52,5 @@ __all__ = [
     "ttm_svd",
     "ttm_svd_with_error",
     "ttm_to_dense",
+    "zero_pad",
 ]

@@ -11,6 +11,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch.nn.functional as F
+from torch import Tensor
+
 from ._checks import positive_int, prod
 
 # A factorization is "good" if no factor exceeds this multiple of size**(1/order).
@@ -40,6 +43,16 @@ class Factorization:
     def order(self) -> int:
         """Number of modes."""
         return len(self.modes)
+
+
+def zero_pad(matrix: Tensor, rows: int, cols: int) -> Tensor:
+    """``matrix`` with zero rows and columns appended up to ``(rows, cols)``: a dense weight
+    brought to the padded sizes of its Factorizations before a TT/TTM-SVD."""
+    if matrix.dim() != 2 or matrix.shape[0] > rows or matrix.shape[1] > cols:
+        raise ValueError(
+            f"cannot zero-pad a matrix of shape {tuple(matrix.shape)} to {rows} x {cols}"
+        )
+    return F.pad(matrix, (0, cols - matrix.shape[1], 0, rows - matrix.shape[0]))
 
 
 def _divisors(n: int) -> list[int]:

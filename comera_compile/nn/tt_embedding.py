@@ -23,11 +23,11 @@ from comera_compile.formats import (
     ttm_random_cores,
     ttm_svd,
     ttm_to_dense,
+    zero_pad,
 )
 from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
-from comera_compile.nn.tt_linear import _padded
 from comera_compile.planner import PlanRecord, embedding_plan, next_power_of_two, plan_records_for
 
 _BAG_MODES = (None, "sum", "mean", "max")
@@ -181,7 +181,7 @@ class TTEmbedding(TensorizedLayer):
             **kwargs,
         )
         rows, cols = layer.padded_shape
-        table = _padded(module.weight.detach(), rows, cols)
+        table = zero_pad(module.weight.detach(), rows, cols)
         cores = ttm_svd(
             table, layer.row_modes, layer.col_modes, max_rank=ranks, tolerance=tolerance
         )

@@ -11,7 +11,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_compile.formats import (
@@ -22,6 +21,7 @@ from comera_compile.formats import (
     tt_random_cores,
     tt_svd,
     tt_to_dense,
+    zero_pad,
 )
 from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
@@ -107,7 +107,7 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
             dtype=module.weight.dtype,
             **kwargs,
         )
-        weight = _padded(module.weight.detach().T, layer.padded_in, layer.padded_out)
+        weight = zero_pad(module.weight.detach().T, layer.padded_in, layer.padded_out)
         cores = tt_svd(weight, layer.in_modes, layer.out_modes, max_rank=ranks, tolerance=tolerance)
         layer._set_cores(cores)
         if module.bias is not None:
@@ -121,7 +121,3 @@ def merge_right(cores: Sequence[Tensor]) -> Tensor:
     for core in reversed(cores[:-1]):
         acc = (core.reshape(-1, core.shape[-1]) @ acc).reshape(core.shape[0], -1)
     return acc
-
-
-def _padded(matrix: Tensor, rows: int, cols: int) -> Tensor:
-    return F.pad(matrix, (0, cols - matrix.shape[1], 0, rows - matrix.shape[0]))

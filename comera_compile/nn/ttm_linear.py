@@ -20,12 +20,12 @@ from comera_compile.formats import (
     ttm_random_cores,
     ttm_svd,
     ttm_to_dense,
+    zero_pad,
 )
 from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.linear_common import PlannedLinearMixin
-from comera_compile.nn.tt_linear import _padded
 from comera_compile.planner import ttm_linear_network
 
 
@@ -112,7 +112,7 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
             dtype=module.weight.dtype,
             **kwargs,
         )
-        weight = _padded(module.weight.detach(), layer.padded_out, layer.padded_in)
+        weight = zero_pad(module.weight.detach(), layer.padded_out, layer.padded_in)
         cores = ttm_svd(
             weight, layer.out_modes, layer.in_modes, max_rank=ranks, tolerance=tolerance
         )
