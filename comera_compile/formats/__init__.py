@@ -3,7 +3,7 @@
 Also the door checks every layer shares (positive ints, rank lists), kept at the bottom of
 the package so that formats, planner and layers all read arguments the same way."""
 
-from ._checks import positive_int, positive_ints
+from ._checks import positive_int, positive_ints, ttm_mode_pairs
 from .counts import (
     core_params,
     dense_linear_macs,
@@ -46,6 +46,7 @@ __all__ = [
     "tt_svd_with_error",
     "tt_to_dense",
     "ttm_linear_macs",
+    "ttm_mode_pairs",
     "ttm_modes",
     "ttm_params",
     "ttm_random_cores",

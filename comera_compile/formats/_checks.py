@@ -32,6 +32,22 @@ def positive_ints(name: str, values: Sequence[int]) -> tuple[int, ...]:
     return tuple(positive_int(name, v) for v in items)
 
 
+def ttm_mode_pairs(
+    row_modes: Sequence[int],
+    col_modes: Sequence[int],
+    names: tuple[str, str] = ("row_modes", "col_modes"),
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Row and column modes of a TTM: positive ints, as many of one as of the other."""
+    rows = positive_ints(names[0], row_modes)
+    cols = positive_ints(names[1], col_modes)
+    if len(rows) != len(cols):
+        raise ValueError(
+            f"TTM needs as many {names[0]} as {names[1]}, got {list(rows)} and {list(cols)}; "
+            "use ttm_modes(rows, cols) to pick both with one order"
+        )
+    return rows, cols
+
+
 def prod(values: Sequence[int]) -> int:
     """Integer product (1 for an empty sequence)."""
     return math.prod(int(v) for v in values)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ._checks import positive_ints
+from ._checks import positive_ints, ttm_mode_pairs
 from .ranks import chain_ranks
 
 
@@ -25,10 +25,7 @@ def tt_linear_params(
 
 def ttm_params(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]) -> int:
     """Parameters of a TTM chain: sum_k r_{k-1} m_k n_k r_k (gates not included)."""
-    rows = positive_ints("row_modes", row_modes)
-    cols = positive_ints("col_modes", col_modes)
-    if len(rows) != len(cols):
-        raise ValueError(f"TTM needs as many row modes as col modes, got {rows} and {cols}")
+    rows, cols = ttm_mode_pairs(row_modes, col_modes)
     ranks = chain_ranks(ranks, len(rows))
     return core_params([(ranks[k], m, n, ranks[k + 1]) for k, (m, n) in enumerate(zip(rows, cols))])
 
@@ -79,10 +76,7 @@ def ttm_linear_macs(
     Step k contracts (r_{k-1}, n_k) of the running tensor
     (rows, m_1..m_{k-1}, r_{k-1}, n_k..n_d) with core k, producing m_k and r_k.
     """
-    ms = positive_ints("row_modes", row_modes)
-    ns = positive_ints("col_modes", col_modes)
-    if len(ms) != len(ns):
-        raise ValueError(f"TTM needs as many row modes as col modes, got {ms} and {ns}")
+    ms, ns = ttm_mode_pairs(row_modes, col_modes)
     ranks = chain_ranks(ranks, len(ms))
     macs = 0
     for k in range(len(ms)):

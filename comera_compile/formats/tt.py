@@ -66,16 +66,19 @@ def merge_cores(cores: Sequence[Tensor]) -> Tensor:
     return acc
 
 
-def _check_cores(cores: Sequence[Tensor], modes: Sequence[int]) -> None:
-    if len(cores) != len(modes):
-        raise ValueError(f"got {len(cores)} cores for {len(modes)} modes {modes}")
+def check_chain(cores: Sequence[Tensor], physical: Sequence[tuple[int, ...]]) -> None:
+    """Core k must be ``(r_{k-1}, *physical[k], r_k)`` with ``r_0 = r_L = 1``."""
+    if len(cores) != len(physical):
+        raise ValueError(f"got {len(cores)} cores for {len(physical)} modes {list(physical)}")
     r_prev = 1
-    for k, (core, n) in enumerate(zip(cores, modes)):
-        if core.dim() != 3 or core.shape[0] != r_prev or core.shape[1] != n:
+    for k, (core, phys) in enumerate(zip(cores, physical)):
+        want = (r_prev, *phys)
+        if core.dim() != len(want) + 1 or tuple(core.shape[:-1]) != want:
+            expected = ", ".join(map(str, want))
             raise ValueError(
-                f"core {k} has shape {tuple(core.shape)}; expected ({r_prev}, {n}, r_{k + 1})"
+                f"core {k} has shape {tuple(core.shape)}; expected ({expected}, r_{k + 1})"
             )
-        r_prev = core.shape[2]
+        r_prev = core.shape[-1]
     if r_prev != 1:
         raise ValueError(f"last core must end with rank 1, got {r_prev}")
 
@@ -86,7 +89,7 @@ def tt_to_dense(
     """Rebuild W (N_in x N_out) as L @ R, L = merged input cores, R = merged output cores."""
     in_modes = positive_ints("in_modes", in_modes)
     out_modes = positive_ints("out_modes", out_modes)
-    _check_cores(cores, in_modes + out_modes)
+    check_chain(cores, [(n,) for n in in_modes + out_modes])
     d = len(in_modes)
     left = merge_cores(cores[:d])  # (N_in, r_d)
     right = merge_cores(cores[d:])  # (r_d * N_out, 1)

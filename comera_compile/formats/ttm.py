@@ -13,23 +13,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._checks import positive_ints
+from ._checks import ttm_mode_pairs
 from ._svd import chain_svd
 from .ranks import chain_ranks
-from .tt import random_chain_cores
-
-
-def _check_pair(
-    row_modes: Sequence[int], col_modes: Sequence[int]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    rows = positive_ints("row_modes", row_modes)
-    cols = positive_ints("col_modes", col_modes)
-    if len(rows) != len(cols):
-        raise ValueError(
-            f"TTM needs as many row modes as col modes, got {rows} and {cols}; "
-            "use ttm_modes(rows, cols) to pick both with one order"
-        )
-    return rows, cols
+from .tt import check_chain, random_chain_cores
 
 
 def ttm_svd_with_error(
@@ -40,7 +27,7 @@ def ttm_svd_with_error(
     tolerance: float | None = None,
 ) -> tuple[list[Tensor], float]:
     """TTM-SVD of ``matrix`` plus the absolute Frobenius error bound of the truncation."""
-    rows, cols = _check_pair(row_modes, col_modes)
+    rows, cols = ttm_mode_pairs(row_modes, col_modes)
     n_rows, n_cols = math.prod(rows), math.prod(cols)
     if matrix.dim() != 2 or tuple(matrix.shape) != (n_rows, n_cols):
         raise ValueError(
@@ -71,18 +58,8 @@ def ttm_to_dense(
     cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int]
 ) -> Tensor:
     """Rebuild the (rows x cols) matrix by contracting the cores pairwise, left to right."""
-    rows, cols = _check_pair(row_modes, col_modes)
-    if len(cores) != len(rows):
-        raise ValueError(f"got {len(cores)} cores for {len(rows)} mode pairs")
-    r_prev = 1
-    for k, (core, m, n) in enumerate(zip(cores, rows, cols)):
-        if core.dim() != 4 or tuple(core.shape[:3]) != (r_prev, m, n):
-            raise ValueError(
-                f"core {k} has shape {tuple(core.shape)}; expected ({r_prev}, {m}, {n}, r_{k + 1})"
-            )
-        r_prev = core.shape[3]
-    if r_prev != 1:
-        raise ValueError(f"last core must end with rank 1, got {r_prev}")
+    rows, cols = ttm_mode_pairs(row_modes, col_modes)
+    check_chain(cores, list(zip(rows, cols)))
     acc = cores[0].reshape(cores[0].shape[1:])  # (M, N, r)
     for core in cores[1:]:
         big_m, big_n, r = acc.shape
@@ -104,7 +81,7 @@ def ttm_random_cores(
     generator: torch.Generator | None = None,
 ) -> list[Tensor]:
     """Random TTM cores with entry variance sigma^2 (core k std sigma^(1/d)/sqrt(r_k))."""
-    rows, cols = _check_pair(row_modes, col_modes)
+    rows, cols = ttm_mode_pairs(row_modes, col_modes)
     ranks = chain_ranks(ranks, len(rows))
     shapes = [(ranks[k], m, n, ranks[k + 1]) for k, (m, n) in enumerate(zip(rows, cols))]
     return random_chain_cores(shapes, sigma, dtype, device, generator)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 
-from ..formats import internal_ranks, positive_ints
+from ..formats import internal_ranks, positive_ints, ttm_mode_pairs
 from .network import BATCH, Network
 
 _positive = positive_ints  # the name the embedding planner imports
@@ -60,10 +60,7 @@ def ttm_linear_network(
     in_modes: Sequence[int], out_modes: Sequence[int], ranks: int | Sequence[int], rows: int
 ) -> Network:
     """``y[b, m..] = x[b, n..] * G1[m1, n1, r1] ... G_d[r, m_d, n_d]`` (TTM, weight (out, in))."""
-    n = positive_ints("in_modes", in_modes)
-    m = positive_ints("out_modes", out_modes)
-    if len(n) != len(m):
-        raise ValueError(f"TTM needs as many in modes as out modes, got {list(n)} / {list(m)}")
+    n, m = ttm_mode_pairs(in_modes, out_modes, ("in_modes", "out_modes"))
     d = len(n)
     r = internal_ranks(ranks, d)
     letters = _letters(3 * d - 1)
