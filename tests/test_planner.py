@@ -347,9 +347,9 @@ def test_lru_forgets_the_least_recently_used():
     lru = plan_cache.LRU(2)
     lru.put("a", 1)
     lru.put("b", 2)
-    assert lru.get("a") == 1  # "a" is now the most recent
+    assert lru.hit("a") == 1  # "a" is now the most recent
     lru.put("c", 3)
-    assert (lru.get("a"), lru.get("b"), lru.get("c"), len(lru)) == (1, None, 3, 2)
+    assert (lru.hit("a"), lru.hit("b"), lru.hit("c"), len(lru)) == (1, None, 3, 2)
 
 
 def test_memory_caches_are_bounded(monkeypatch):

@@ -45,30 +45,27 @@ MAX_DISK_ENTRIES = 2048
 """Plan files kept in the disk cache directory (a few kB each)."""
 
 
-class LRU:
-    """A dict bounded to ``maxsize`` entries that forgets the least recently used first."""
+class LRU(OrderedDict):
+    """A dict bounded to ``maxsize`` entries that forgets the least recently used first.
+
+    Read with ``get`` then ``move_to_end`` on a hit (both C calls: a hit stays cheap)."""
 
     def __init__(self, maxsize: int) -> None:
+        super().__init__()
         self.maxsize = maxsize
-        self._data: OrderedDict[Hashable, Plan] = OrderedDict()
 
-    def get(self, key: Hashable) -> Plan | None:
-        plan = self._data.get(key)
-        if plan is not None:
-            self._data.move_to_end(key)
-        return plan
+    def hit(self, key: Hashable) -> Plan | None:
+        """The value of ``key`` (now the most recently used), or None."""
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
 
-    def put(self, key: Hashable, plan: Plan) -> None:
-        self._data[key] = plan
-        self._data.move_to_end(key)
-        while len(self._data) > self.maxsize:
-            self._data.popitem(last=False)
-
-    def clear(self) -> None:
-        self._data.clear()
-
-    def __len__(self) -> int:
-        return len(self._data)
+    def put(self, key: Hashable, value: Plan) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
 
 
 _requests = LRU(MAX_REQUESTS)
@@ -236,11 +233,12 @@ def get_plan(
     request = (network, dtype, device_type, objective, training, autotune)
     plan = _requests.get(request)
     if plan is not None:
+        _requests.move_to_end(request)
         return plan
     parse_objective(objective)  # fail at the door on a bad name
     bucketed = bucket_network(network)
     bucket_key = (bucketed, dtype, device_type, objective, training, autotune)
-    plan = _buckets.get(bucket_key)
+    plan = _buckets.hit(bucket_key)
     if plan is None:
         plan = _load_or_plan(
             bucketed, dtype, device_type, objective, training, autotune, operands_example
