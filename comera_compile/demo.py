@@ -11,12 +11,10 @@ plot) and the contraction plans are written to the output folder.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,27 +23,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from comera_compile.api import Budget, optimize, plans, summary
-from comera_compile.machine import describe_machine
+from comera_compile.machine import describe_machine, reproducible
 from comera_compile.models import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.models.pair_task import PairTask
 from comera_compile.nn import tensorized_layers
 from comera_compile.training import RankAdaptiveTrainer, param_groups, plot_ranks
-
-
-@contextlib.contextmanager
-def reproducible(seed: int, threads: int) -> Iterator[None]:
-    """Seed torch, fix the thread count and ask for deterministic kernels; restore after."""
-    old_threads = torch.get_num_threads()
-    old_deterministic = torch.are_deterministic_algorithms_enabled()
-    old_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.manual_seed(seed)
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old_threads)
-        torch.use_deterministic_algorithms(old_deterministic, warn_only=old_warn_only)
 
 
 @torch.no_grad()
