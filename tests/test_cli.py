@@ -34,6 +34,7 @@ def test_bad_spec_and_budget_exit_2_with_the_fix(capsys):
     assert "parameter count (100000)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path, capsys):
     assert main(["demo", "--steps", "12", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
