@@ -1,7 +1,7 @@
 """Training step time of the six-encoder model: dense vs tensorized, eager vs compiled.
 
 One process, four variants measured side by side on the same batch: dense eager, dense +
-inductor, comera eager (the REFERENCE factorizations) and comera + ``backend="comera"``.
+inductor, comera eager (the CoMERA paper's factorizations) and comera + ``backend="comera"``.
 A step is forward + cross-entropy + backward + AdamW step; we report the median over
 ``--steps`` steps after ``--warmup`` steps (compilation happens in the warm-up).
 
@@ -30,7 +30,7 @@ from comera_compile.nn import TTEmbedding, TTLinear
 
 
 def tensorized(config: SixEncoderConfig, rank: int) -> SixEncoderClassifier:
-    """The REFERENCE factorizations at 768/3072; automatic modes at other sizes."""
+    """The CoMERA paper's factorizations at 768/3072; automatic modes at other sizes."""
     if (config.hidden, config.ffn) == (768, 3072):
         return reference_tensorized(config, max_rank=rank)
     model = SixEncoderClassifier(config)

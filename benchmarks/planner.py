@@ -1,4 +1,4 @@
-"""Planned contraction order vs the fixed REFERENCE order vs nn.Linear, side by side.
+"""Planned contraction order vs the CoMERA paper's fixed order vs nn.Linear, side by side.
 
     python benchmarks/planner.py            # full grid
     python benchmarks/planner.py --quick    # ranks 16/30, fewer batch sizes and repeats

@@ -2,25 +2,31 @@
 
 A small six-encoder classifier learns the synthetic sentence-pair task twice from the same
 initial weights and data: once dense, once after ``optimize`` with rank-adaptive training
-(early stage, then a late stage that drives to a target size). It prints the layer summary,
-both accuracies, parameter counts, step times and the plans the layers run, and saves the
-rank history (CSV and plot).
+(early stage, then a late stage that drives to a target size). The run is deterministic
+for a given seed and thread count (fixed seeds, fixed threads, deterministic algorithms),
+so accuracies and pruned sizes match across machines of the same kind. Progress bars go
+to stderr; stdout ends with the result table. The layer summary, rank history (CSV and
+plot) and the contraction plans are written to the output folder.
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from comera_compile.api import Budget, optimize, plans, summary
+from comera_compile.machine import describe_machine, reproducible
 from comera_compile.models import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.models.pair_task import PairTask
+from comera_compile.nn import tensorized_layers
 from comera_compile.training import RankAdaptiveTrainer, param_groups, plot_ranks
 
 
@@ -33,12 +39,14 @@ def accuracy(model: nn.Module, task: PairTask, n: int = 2048, seed: int = 12345)
     return 100.0 * correct
 
 
-def train(model, optimizer, task, steps, batch, seed, trainer=None, log_every=50, name=""):
+def train(model, optimizer, task, steps, batch, seed, trainer=None, name="", progress=True):
     """Train on a fixed stream of batches; returns the per-step times in seconds."""
     generator = torch.Generator().manual_seed(seed)
     times = []
     model.train()
-    for step in range(1, steps + 1):
+    bar = tqdm(range(1, steps + 1), desc=name, unit="step", disable=not progress,
+               file=sys.stderr, ncols=99, mininterval=1.0)
+    for step in bar:
         ids, types, labels = task.batch(batch, generator)
         start = time.perf_counter()
         task_loss = F.cross_entropy(model(ids, types), labels)
@@ -49,20 +57,37 @@ def train(model, optimizer, task, steps, batch, seed, trainer=None, log_every=50
         if trainer:
             trainer.step()
         times.append(time.perf_counter() - start)
-        if step % log_every == 0 or step == steps:
-            extra = ""
+        if step % 25 == 0 or step == steps:
+            shown = {"loss": f"{task_loss.item():.3f}"}
             if trainer:
-                extra = f"  stage {trainer.stage}  params {trainer.history[-1]['params']:,}"
-            print(f"  {name} step {step:4d}  loss {task_loss.item():.3f}{extra}")
+                shown |= {"stage": trainer.stage, "params": f"{trainer.size():,}"}
+            bar.set_postfix(shown, refresh=False)
     return times
 
 
-def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: int = 32) -> dict:
+def run_demo(
+    steps: int = 1000,
+    out: str = "runs/demo",
+    seed: int = 0,
+    batch: int = 32,
+    threads: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Train dense and CoMERA side by side; print the result table last and return it."""
     if steps < 10:
         raise ValueError(
             f"the demo needs at least 10 steps (an early and a late stage), got {steps}"
         )
-    torch.manual_seed(seed)
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)  # fail on a bad folder before training
+    with reproducible(seed, threads):
+        return _run(steps, directory, seed, batch, progress)
+
+
+def _run(steps: int, directory: Path, seed: int, batch: int, progress: bool) -> dict:
+    print(describe_machine())
+    print("comera demo: one small transformer trained twice on the same data, "
+          "dense and compressed.")
     task = PairTask(vocab_size=8192, sentence_len=8)
     config = SixEncoderConfig(
         vocab_size=task.vocab_size,
@@ -74,20 +99,27 @@ def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: in
         dropout=0.0,
     )
     dense = SixEncoderClassifier(config)
+    dense_params = sum(p.numel() for p in dense.parameters())
+    print(f"model: a {config.layers}-layer transformer classifier, hidden {config.hidden}, "
+          f"vocabulary {config.vocab_size:,}: {dense_params:,} parameters")
     example = task.batch(batch, torch.Generator().manual_seed(seed))[:2]
     model = optimize(dense, Budget(ratio=8), example_inputs=example, compile=False)
-    print(summary(model), "\n")
-
-    dense_params = sum(p.numel() for p in dense.parameters())
-    reference = copy.deepcopy(dense)
-    print(f"dense model: {dense_params:,} parameters, training {steps} steps")
-    dense_opt = torch.optim.AdamW(reference.parameters(), lr=3e-4, weight_decay=0.0)
-    dense_times = train(reference, dense_opt, task, steps, batch, seed + 1, name="dense ")
-
     start_params = sum(p.numel() for p in model.parameters())
-    print(f"\ncompressed model: {start_params:,} parameters, CoMERA training {steps} steps")
-    optimizer = torch.optim.AdamW(param_groups(model, lr_cores=1e-3, lr_gates=6e-3, lr_rest=3e-4))
+    (directory / "summary.txt").write_text(str(summary(model)) + "\n")
+    print(f"optimize(model, budget=8x smaller): {len(tensorized_layers(model))} layers now "
+          f"tensor-train, "
+          f"{start_params:,} parameters")
+
+    reference = copy.deepcopy(dense)
+    print(f"training dense, {steps} steps (batch {batch} pairs of {task.seq_len} tokens)")
+    dense_opt = torch.optim.AdamW(reference.parameters(), lr=3e-4, weight_decay=0.0)
+    dense_times = train(reference, dense_opt, task, steps, batch, seed + 1, name="dense ",
+                        progress=progress)
+
     early = steps * 2 // 5
+    print(f"training CoMERA, {steps} steps: {early} early-stage steps (rank gates shrink), "
+          "then a late stage to 60% of the size")
+    optimizer = torch.optim.AdamW(param_groups(model, lr_cores=1e-3, lr_gates=6e-3, lr_rest=3e-4))
     # l2 on the cores stops them from growing to make up for shrinking gates (a channel
     # switched off at the threshold then carries little); task_target is L_t
     trainer = RankAdaptiveTrainer(
@@ -99,9 +131,23 @@ def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: in
         l2_weight=1e-4,
         task_target=0.1,
     )
-    times = train(model, optimizer, task, steps, batch, seed + 1, trainer, name="comera")
+    times = train(model, optimizer, task, steps, batch, seed + 1, trainer, name="CoMERA",
+                  progress=progress)
 
     final_params = sum(p.numel() for p in model.parameters())
+    reached = "reached" if trainer.target_reached else "not reached yet: train longer"
+    print(f"late stage: size {trainer.size_start:,} -> {trainer.size():,}, target "
+          f"{trainer.size_target:,.0f} ({reached})")
+    print("effective ranks after training (TT ranks between cores; pruned for real):")
+    for name, ranks in trainer.history[-1]["ranks"].items():
+        print(f"  {name:28s} {ranks}")
+
+    trainer.history.to_csv(directory / "history.csv")
+    plot_ranks(trainer.history, directory / "ranks.png")
+    plans(model, batch_sizes=[1, batch * task.seq_len]).to_json(directory / "plans.json")
+    print(f"wrote {directory}/: summary.txt (layers), history.csv and ranks.png (ranks over "
+          "time), plans.json")
+
     results = {
         "dense_accuracy": accuracy(reference, task),
         "comera_accuracy": accuracy(model, task),
@@ -113,36 +159,23 @@ def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: in
         "comera_early_ms": 1e3 * statistics.median(times[early // 4 : early]),
         "comera_late_ms": 1e3 * statistics.median(times[-max(1, steps // 10) :]),
     }
-    print("\n                       dense      CoMERA")
-    dense_acc, comera_acc = results["dense_accuracy"], results["comera_accuracy"]
-    print(f"test accuracy (%)   {dense_acc:8.1f}    {comera_acc:8.1f}")
-    print(
-        f"parameters       {dense_params:11,} {final_params:11,}   "
-        f"({dense_params / final_params:.1f}x smaller; {start_params:,} after optimize)"
-    )
-    print(
-        f"step time (ms)      {results['dense_ms']:8.1f}    {results['comera_early_ms']:8.1f}"
-        f" early -> {results['comera_late_ms']:.1f} after pruning"
-    )
-    reached = "reached" if trainer.target_reached else "not reached yet: train longer"
-    print(
-        f"late stage: size {trainer.size_start:,} -> {trainer.size():,}, target "
-        f"{trainer.size_target:,.0f} ({reached})"
-    )
-    print("\neffective ranks after training:")
-    for name, ranks in trainer.history[-1]["ranks"].items():
-        print(f"  {name:32s} {ranks}")
-    print("\nplans at this batch (rows = batch x tokens) and at one token:")
-    report = plans(model, batch_sizes=[1, batch * task.seq_len])
-    print(report)
-
-    directory = Path(out)
-    directory.mkdir(parents=True, exist_ok=True)
-    trainer.history.to_csv(directory / "history.csv")
-    plot_ranks(trainer.history, directory / "ranks.png")
-    report.to_json(directory / "plans.json")
-    print(
-        f"\nwrote {directory / 'history.csv'}, {directory / 'ranks.png'}, "
-        f"{directory / 'plans.json'}"
-    )
+    print(result_table(results, batch, task.seq_len))
     return results
+
+
+def result_table(r: dict, batch: int, tokens: int) -> str:
+    """The closing table, each column explained once below it."""
+    ratio = r["dense_params"] / r["comera_params_end"]
+    return "\n".join([
+        "",
+        "                         dense        CoMERA",
+        f"test accuracy (%)   {r['dense_accuracy']:10.1f}    {r['comera_accuracy']:10.1f}",
+        f"parameters          {r['dense_params']:10,}    {r['comera_params_end']:10,}"
+        f"   {ratio:.1f}x smaller ({r['comera_params_start']:,} after optimize)",
+        f"step time (ms)      {r['dense_ms']:10.1f}    {r['comera_early_ms']:10.1f}"
+        f"   early stage; {r['comera_late_ms']:.1f} after pruning",
+        "",
+        "test accuracy: share of 2,048 held-out pairs classified right (3 classes, chance 33%)",
+        "parameters: every weight of the model, after training (pruned ranks removed)",
+        f"step time: median forward + backward + AdamW, {batch} pairs x {tokens} tokens, eager",
+    ])

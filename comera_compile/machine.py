@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+from collections.abc import Iterator
 
 import torch
 
@@ -23,10 +25,32 @@ def cpu_model() -> str:
 def describe_machine() -> str:
     """CPU model, usable cores, torch threads, torch version and the GPU if any."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
     text = (
         f"machine: {cpu_model()}, {cores} cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads)"
+        f"({threads} thread{'' if threads == 1 else 's'})"
     )
     if torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name(0)}"
     return text
+
+
+@contextlib.contextmanager
+def reproducible(seed: int, threads: int = 1) -> Iterator[None]:
+    """Seed torch, fix the thread count and ask for deterministic kernels; restore after.
+
+    Float sums split over a different number of threads round differently, and a rank gate
+    near the pruning threshold can then fall on the other side: fixing the threads makes
+    accuracies and pruned sizes repeat from one machine to the next.
+    """
+    old_threads = torch.get_num_threads()
+    old_deterministic = torch.are_deterministic_algorithms_enabled()
+    old_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.use_deterministic_algorithms(old_deterministic, warn_only=old_warn_only)

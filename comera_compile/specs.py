@@ -67,8 +67,18 @@ def load_spec(spec: str) -> ModelSpec:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"cannot import {spec!r}: {err}") from err
-    made = factory()
-    if isinstance(made, tuple):
-        model, inputs = made
-        return ModelSpec(model, inputs if isinstance(inputs, tuple) else (inputs,))
-    return ModelSpec(made, ())
+    if not callable(factory):
+        raise ValueError(f"{spec!r} is a {type(factory).__name__}, not a function; name a "
+                         "factory that returns a model or (model, example_inputs)")
+    return _as_spec(spec, factory())
+
+
+def _as_spec(spec: str, made: object) -> ModelSpec:
+    """Check what a factory returned: a module, or a (module, example inputs) pair."""
+    inputs: object = ()
+    if isinstance(made, tuple | list) and len(made) == 2:
+        made, inputs = made
+    if not isinstance(made, nn.Module):
+        raise ValueError(f"{spec}() returned a {type(made).__name__}, not a torch.nn.Module; "
+                         "return a model or (model, example_inputs)")
+    return ModelSpec(made, inputs if isinstance(inputs, tuple) else (inputs,))

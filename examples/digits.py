@@ -11,6 +11,8 @@ accuracies, how much smaller the tensorized layers are than the dense weights th
 not counted), the rank history, and save the rank and size plots.
 
     python examples/digits.py --out runs/digits
+
+The run is deterministic for a given seed and thread count (see ``--threads``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 from torch import nn
+from tqdm.auto import tqdm
 
+from comera_compile.machine import describe_machine, reproducible
 from comera_compile.nn import TTLinear
 from comera_compile.training import (
     RankAdaptiveTrainer,
@@ -76,9 +80,9 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return 100 * acc
 
 
-def batches(n: int, batch: int, epochs: int, seed: int):
+def batches(n: int, batch: int, epochs: int, seed: int, name: str = ""):
     g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
+    for _ in tqdm(range(epochs), desc=name, unit="epoch", ncols=99, mininterval=1.0):
         order = torch.randperm(n, generator=g)
         yield from order.split(batch)
 
@@ -94,7 +98,7 @@ def train_dense(data, args) -> nn.Module:
     model = mlp(nn.Linear, dropout=args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     schedule = cosine(opt, args.epochs * -(-len(x) // args.batch))
-    for idx in batches(len(x), args.batch, args.epochs, args.seed):
+    for idx in batches(len(x), args.batch, args.epochs, args.seed, "dense "):
         loss = F.cross_entropy(model(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
@@ -119,7 +123,7 @@ def train_comera(data, args) -> tuple[nn.Module, RankAdaptiveTrainer]:
         prune_every=steps_per_epoch,
         task_target=args.task_target,
     )
-    for idx in batches(len(x), args.batch, args.epochs, args.seed):
+    for idx in batches(len(x), args.batch, args.epochs, args.seed, "CoMERA"):
         loss = trainer.loss(F.cross_entropy(model(x[idx]), y[idx]))
         opt.zero_grad()
         loss.backward()
@@ -153,8 +157,15 @@ def main() -> None:
     p.add_argument("--task-target", type=float, default=0.05)
     p.add_argument("--lr-cores", type=float, default=3e-3)
     p.add_argument("--lr-gates", type=float, default=1e-2)
+    p.add_argument("--threads", type=int, default=1, help="fixed so that the numbers repeat")
     args = p.parse_args()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    args.out.mkdir(parents=True, exist_ok=True)  # a bad folder fails before training
+    with reproducible(args.seed, args.threads):
+        print(describe_machine())
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     data = load(args.seed)
 
     start = time.perf_counter()
@@ -178,7 +189,7 @@ def main() -> None:
     print(f"accuracy gap             {dense_acc - tt_acc:+6.2f} points")
     print(
         f"hidden Linear weights (64x512 + 512x512): dense {dense_weights} params, "
-        f"TT cores {cores} params -> {tensorized_compression(model):.1f}x smaller "
+        f"TT cores {cores} params\n  -> {tensorized_compression(model):.1f}x smaller "
         "(biases, gates and the dense 512x10 classifier not counted)"
     )
     print(f"final ranks: {[m.ranks for m in tt_layers]}")
@@ -186,7 +197,6 @@ def main() -> None:
         f"late stage: model size {trainer.size_start} -> {trainer.size()} params "
         f"(target {trainer.size_target:.0f}, reached: {trainer.target_reached})"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
     trainer.history.to_csv(args.out / "history.csv")
     print(f"saved {plot_ranks(trainer.history, args.out / 'ranks.png')}")
     print(f"saved {plot_compression(trainer.history, args.out / 'compression.png')}")

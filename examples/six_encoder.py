@@ -2,8 +2,8 @@
 
 The model is ``comera_compile.models.six_encoder`` (post-LN BERT-like encoder, CLS ->
 fc1 -> tanh -> fc2). We train it dense and tensorized (every encoder Linear and fc1 as
-TTLinear, the word embedding as TTEmbedding; REFERENCE factorizations when the size is
-the reference's 768 / 3072) for the same number of steps; the tensorized one goes through
+TTLinear, the word embedding as TTEmbedding; the CoMERA paper's factorizations when the
+size is the paper's 768 / 3072) for the same number of steps; the tensorized one goes through
 CoMERA's early stage, then a late stage towards ``--target-ratio`` of its size.
 
 Data: by default the synthetic sentence-pair problem of
@@ -15,6 +15,8 @@ With ``--mnli DIR`` it reads GLUE's ``train.tsv`` and ``dev_matched.tsv`` from d
 
     python examples/six_encoder.py                       # small, a few minutes on a CPU
     python examples/six_encoder.py --hidden 768 --layers 6 --heads 12 --ffn 3072 --mnli glue/MNLI
+
+The run is deterministic for a given seed and thread count (see ``--threads``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
+from comera_compile.machine import describe_machine, reproducible
 from comera_compile.models.pair_task import PairTask
 from comera_compile.models.six_encoder import (
     SixEncoderClassifier,
@@ -173,7 +177,10 @@ def train(model, data: PairData, args, trainer_opts: dict | None = None, test=No
         )
         opt = torch.optim.AdamW(groups)
         trainer = RankAdaptiveTrainer(model, opt, **trainer_opts)
-    for step, index in enumerate(batches(len(data), args.batch, args.steps, args.seed), 1):
+    name = "dense " if trainer is None else "CoMERA"
+    stream = batches(len(data), args.batch, args.steps, args.seed)
+    bar = tqdm(stream, total=args.steps, desc=name, unit="step", ncols=99, mininterval=1.0)
+    for step, index in enumerate(bar, 1):
         ids, types, mask, y = data.batch(index)
         loss = F.cross_entropy(model(ids, types, mask), y)
         if trainer is not None:
@@ -186,7 +193,7 @@ def train(model, data: PairData, args, trainer_opts: dict | None = None, test=No
         if step % args.log_every == 0:
             stage = f" {trainer.stage:5s} size {model_size(model):>9,d}" if trainer else ""
             acc = f" test acc {accuracy(model, test):5.1f}%" if test is not None else ""
-            print(f"  step {step:5d} loss {loss.item():.4f}{stage}{acc}", flush=True)
+            bar.write(f"  step {step:5d} loss {loss.item():.4f}{stage}{acc}")
     if trainer is not None:
         trainer.prune()
     return trainer
@@ -215,8 +222,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("runs/six_encoder"))
+    p.add_argument("--threads", type=int, default=1, help="fixed so that the numbers repeat")
     args = p.parse_args()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    args.out.mkdir(parents=True, exist_ok=True)  # a bad folder fails before training
+    with reproducible(args.seed, args.threads):
+        print(describe_machine())
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
 
     if args.mnli is not None:
         vocab = max(args.vocab, 32000)

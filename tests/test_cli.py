@@ -1,8 +1,14 @@
 """The `comera` command: summary, plans (table and JSON), errors, and a short demo run."""
 
 import json
+import re
+import sys
+import time
 
-from comera_compile.cli import main
+import pytest
+
+from comera_compile import __version__
+from comera_compile.cli import main, parse_budget_arg
 
 
 def test_summary_prints_the_layer_table(capsys):
@@ -25,11 +31,103 @@ def test_bad_spec_and_budget_exit_2_with_the_fix(capsys):
     assert main(["summary", "no-such-model"]) == 2
     assert "package.module:factory" in capsys.readouterr().err
     assert main(["summary", "mlp", "--budget", "20XB"]) == 2
-    assert "accepted forms" in capsys.readouterr().err
+    assert "parameter count (100000)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path, capsys):
     assert main(["demo", "--steps", "12", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "test accuracy" in out and "late stage" in out
     assert (tmp_path / "history.csv").exists() and (tmp_path / "ranks.png").exists()
+
+
+def _fails_fast(capsys, argv, *needles):
+    """Exit status 2, one `comera: error:` line naming the fix, no traceback, in seconds."""
+    start = time.perf_counter()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("comera: error: ")
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err
+    assert time.perf_counter() - start < 20  # raised before any optimize or training
+    return err
+
+
+def test_parameter_count_budget_is_a_count(capsys):
+    assert main(["summary", "mlp", "--budget", "100000"]) == 0
+    out = capsys.readouterr().out
+    total = re.search(r"total parameters: ([\d,]+) -> ([\d,]+)", out)
+    assert total is not None
+    assert int(total.group(2).replace(",", "")) <= 100_000
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("100000", 100000), ("1e5", 100000), ("0.05", 0.05), ("5%", "5%"), ("40x", "40x"),
+     ("20MB", "20MB")],
+)
+def test_budget_forms_the_command_line_takes(text, expected):
+    assert parse_budget_arg(text) == expected
+
+
+@pytest.mark.parametrize("text", ["20XB", "3.5", "-2", "0", "Budget(params=5)", "None"])
+def test_bad_budget_lists_only_command_line_forms(capsys, text):
+    err = _fails_fast(capsys, ["summary", "mlp", "--budget", text], "100000", "40x", "20MB")
+    assert "None" not in err.replace(repr(text), "") and "Budget(" not in err.replace(text, "")
+
+
+def test_factory_in_the_current_directory_is_found(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mymodels_cwd.py").write_text(
+        "import torch\n"
+        "def make_model():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(512, 256)), torch.randn(4, 256)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodels_cwd", raising=False)
+    assert main(["summary", "mymodels_cwd:make_model", "--budget", "0.2"]) == 0
+    assert " tt " in capsys.readouterr().out
+
+
+def test_factory_returning_a_non_module(tmp_path, monkeypatch, capsys):
+    (tmp_path / "notamodel_cwd.py").write_text("def make():\n    return 'oops'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "notamodel_cwd", raising=False)
+    _fails_fast(capsys, ["summary", "notamodel_cwd:make"], "returned a str", "nn.Module")
+
+
+def test_plans_json_into_a_missing_folder_fails_first(tmp_path, capsys):
+    target = tmp_path / "missing" / "plans.json"
+    _fails_fast(capsys, ["plans", "six-encoder", "--json", str(target)], "does not exist")
+
+
+def test_demo_out_onto_a_file_fails_first(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    _fails_fast(capsys, ["demo", "--out", str(blocker / "run")], "is a file")
+    _fails_fast(capsys, ["demo", "--out", str(blocker)], "is a file")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["plans", "mlp", "--batch-sizes", "1,x"], ["demo", "--steps", "0"], ["nope"], []],
+)
+def test_argument_errors_read_comera_error(capsys, argv):
+    _fails_fast(capsys, argv)
+
+
+def test_help_shows_every_default_and_version(capsys):
+    for command in ("plans", "summary", "demo"):
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "``" not in out
+        blocks = out.split("options:", 1)[1].split("\n  -")[1:]
+        assert len(blocks) >= 2, out
+        for block in blocks:
+            if not block.startswith(("h, --help", "-quiet", "-json")):
+                assert "default:" in block, (command, block)
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"comera {__version__}"

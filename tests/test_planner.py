@@ -41,7 +41,7 @@ TT_SHAPES = {
     "768x3072": ([12, 8, 8], [12, 16, 16]),
 }
 TTM_SHAPE = ([12, 8, 8], [8, 8, 12])  # in modes, out modes
-EMB_SHAPE = ([16, 20, 10, 10], [4, 4, 8, 6])  # REFERENCE word embedding (vocab, dim)
+EMB_SHAPE = ([16, 20, 10, 10], [4, 4, 8, 6])  # the CoMERA paper's word embedding (vocab, dim)
 
 
 @pytest.fixture(autouse=True)

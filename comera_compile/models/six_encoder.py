@@ -1,4 +1,4 @@
-"""The six-encoder BERT-like classifier of the CoMERA MNLI experiment (REFERENCE.md).
+"""The six-encoder BERT-like classifier of the CoMERA MNLI experiment (arXiv 2405.14377).
 
 Dense by default, so ``optimize`` has a realistic model to compress; ``reference_tensorized``
 builds it with exactly the paper's factorizations, for benchmarks and comparisons.
@@ -115,14 +115,14 @@ class SixEncoderClassifier(nn.Module):
 def reference_tensorized(
     config: SixEncoderConfig | None = None, max_rank: int = 30, embedding_rank: int = 32
 ) -> SixEncoderClassifier:
-    """The model with REFERENCE.md's factorizations (768-wide sizes only).
+    """The model with the CoMERA paper's factorizations (768-wide sizes only).
 
     Q, K, V, O and fc1: TT [12,8,8] -> [8,8,12]; FFN in: [12,8,8] -> [12,16,16];
     FFN out: [16,16,12] -> [8,8,12]; word embedding: TTM [[16,20,10,10],[4,4,8,6]].
     """
     config = config or SixEncoderConfig()
     if (config.hidden, config.ffn) != (768, 3072) or config.vocab_size > 32000:
-        raise ValueError("the REFERENCE factorizations are for hidden 768, ffn 3072, vocab<=32000")
+        raise ValueError("CoMERA's factorizations are for hidden 768, ffn 3072, vocab<=32000")
     model = SixEncoderClassifier(config)
     square = {"in_modes": [12, 8, 8], "out_modes": [8, 8, 12], "ranks": max_rank}
     for layer in model.layers:

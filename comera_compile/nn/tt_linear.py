@@ -1,4 +1,4 @@
-"""TTLinear: a Linear layer whose weight lives as a tensor-train chain (REFERENCE TT format).
+"""TTLinear: a Linear layer whose weight lives as a tensor-train chain (CoMERA's TT format).
 
 ``W`` (``N_in x N_out``, i.e. ``nn.Linear.weight.T``) is a chain of cores over the input
 modes then the output modes. The forward is a contraction of the input with the gated
@@ -75,7 +75,7 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         return tt_linear_network(self.in_modes, self.out_modes, self.ranks, rows)
 
     def forward_fixed_order(self, x: Tensor) -> Tensor:
-        """The REFERENCE order (merge input cores, merge output cores, two matmuls); kept as
+        """CoMERA's fixed order (merge input cores, merge output cores, two matmuls); kept as
         the baseline the planner is measured against."""
         d = len(self.in_modes)
         cores = self.gated_cores()

@@ -43,7 +43,7 @@ def tt_linear_network(
 ) -> Network:
     """``y[b, m..] = x[b, n..] * G1[n1, r1] G2[r1, n2, r2] ... G_L[r, m_last]`` (TT linear).
 
-    Cores run input modes first, then output modes (REFERENCE); ``d != d'`` is allowed.
+    Cores run input modes first, then output modes (as in CoMERA); ``d != d'`` is allowed.
     """
     n = positive_ints("in_modes", in_modes)
     m = positive_ints("out_modes", out_modes)
@@ -71,7 +71,7 @@ def ttm_linear_network(
 
 
 def tt_linear_reference_path(network: Network) -> list[tuple[int, int]]:
-    """REFERENCE's fixed order as an SSA path: merge the input cores left to right into L,
+    """The CoMERA paper's fixed order as an SSA path: merge the input cores left to right into L,
     the output cores right to left into R, then ``(x . L) . R``. Autotuning always times
     it beside the searched trees, so a tuned plan is never slower than the fixed order."""
     d = len(network.inputs[0]) - 1  # x carries the batch index and d input modes
