@@ -156,7 +156,9 @@ def test_dead_channels_stay_dead_where_adamw_alone_brings_them_back():
     assert _flips(alive) > 0
 
     model, opt = setup()
-    trainer = RankAdaptiveTrainer(model, opt, early_steps=None, prune_every=None, penalty_weight=1.0)
+    trainer = RankAdaptiveTrainer(
+        model, opt, early_steps=None, prune_every=None, penalty_weight=1.0
+    )
     alive = [_alive(model)]
     for _ in range(60):
         run(model, opt, trainer, x, y, 1)

@@ -61,18 +61,27 @@ class GateBank:
             if right >= 0:
                 self._neighbours[right].append((n, left))
         self._index: _Index | None = None
+        # Walking ParameterLists costs microseconds per item; the objects never change
+        self._gates = [g for layer in self.layers for g in layer.gates]
+        self._core_params = [c for layer in self.layers for c in layer.cores]
 
     def __len__(self) -> int:
         return len(self.bond_layer)
 
     @property
     def gates(self) -> list[nn.Parameter]:
-        return [g for layer in self.layers for g in layer.gates]
+        """Gate parameters, bond after bond (pruning keeps the objects, so this is cached)."""
+        return self._gates
 
     def sizes(self) -> list[int]:
         return [int(g.shape[0]) for g in self.gates]
 
-    def index(self) -> _Index:
+    def index(self, flat: Tensor | None = None) -> _Index:
+        """The flat layout for the current gate sizes. Pruning only ever removes entries,
+        so a changed total (checked against ``flat`` when given) means a rebuild."""
+        if self._index is not None and flat is not None:
+            if flat.shape[0] == self._index.segment.shape[0]:
+                return self._index
         sizes = self.sizes()
         if self._index is None or self._index.sizes != sizes:
             self._index = self._build_index(sizes)
@@ -99,12 +108,12 @@ class GateBank:
     # ----- differentiable terms ---------------------------------------------------------
     def flat(self) -> Tensor:
         """Every gate entry, bond after bond (differentiable: one concatenation)."""
-        return torch.cat(list(self.gates))
+        return torch.cat(self._gates)
 
     def active_magnitudes(self, flat: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(|g| on live entries else 0, live mask)``; dead entries get no gradient."""
         flat = self.flat() if flat is None else flat
-        alive = flat.detach().abs() > self.index().threshold
+        alive = flat.detach().abs() > self.index(flat).threshold
         return flat.abs() * alive, alive
 
     def penalty(self) -> Tensor:
@@ -118,10 +127,11 @@ class GateBank:
         """Core parameters with each rank replaced by its bond's summed live ``|g|``."""
         if not self._cores:
             return torch.zeros(())
-        index = self.index()
+        flat = self.flat() if len(self) else None
+        index = self.index(flat)
         ones = index.physical.new_ones(1)
-        if len(self):
-            magnitudes, _ = self.active_magnitudes()
+        if flat is not None:
+            magnitudes, _ = self.active_magnitudes(flat)
             soft = magnitudes.new_zeros(len(index.sizes)).index_add(0, index.segment, magnitudes)
             ranks = torch.cat([ones.to(soft.dtype), soft])
         else:
@@ -130,16 +140,16 @@ class GateBank:
 
     def core_l2(self) -> Tensor:
         """Sum of squared core entries over all layers (one fused norm over the cores)."""
-        cores = [c for layer in self.layers for c in layer.cores]
-        if not cores:
+        if not self._core_params:
             return torch.zeros(())
-        return torch.stack(torch._foreach_norm(cores)).pow(2).sum()
+        return torch.stack(torch._foreach_norm(self._core_params)).pow(2).sum()
 
     # ----- counts and sizes (host side) -------------------------------------------------
     def alive_counts(self) -> Tensor:
         """Live entries per bond, as a float tensor on the gates' device (no host sync)."""
-        index = self.index()
-        _, alive = self.active_magnitudes(self.flat().detach())
+        flat = self.flat().detach()
+        index = self.index(flat)
+        _, alive = self.active_magnitudes(flat)
         return alive.new_zeros(len(index.sizes), dtype=index.physical.dtype).index_add_(
             0, index.segment, alive.to(index.physical.dtype)
         )

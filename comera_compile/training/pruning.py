@@ -79,7 +79,9 @@ def lift_short_bonds(bank: GateBank, counts: list[int], min_rank: int) -> int:
     """``keep_min_rank`` on the bonds whose live count is below ``min_rank``; ``counts``
     is updated in place."""
     lifted = 0
-    for b, gate in enumerate(bank.gates):
+    short = [b for b, c in enumerate(counts) if c < min_rank]
+    for b in short:
+        gate = bank.gates[b]
         want = min(min_rank, gate.numel())
         if counts[b] >= want:
             continue
