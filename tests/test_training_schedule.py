@@ -238,3 +238,28 @@ def test_held_out_mlp_reaches_its_target_in_800_steps():
     assert accuracy > 0.92  # dense reaches about 0.95 on this split
     losses = trainer.history.column("task_loss")
     assert sum(losses[-10:]) / 10 < 2 * trainer.task_loss_target + 0.02  # the loss held
+
+
+# ----- composes with captured steps --------------------------------------------------------
+def test_rank_terms_trace_as_one_graph_and_lam_is_an_input_not_a_constant():
+    x, y = data()
+    model = small_model()
+    opt = torch.optim.AdamW(param_groups(model))
+    trainer = RankAdaptiveTrainer(model, opt, early_steps=1, prune_every=None)
+    run(model, opt, trainer, x, y, 2)
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    # fullgraph: a host sync (.item(), float(), bool() of a tensor) would fail the trace
+    loss = torch.compile(lambda task: trainer.loss(task), backend=count, fullgraph=True)
+    task = torch.tensor(0.7, dtype=torch.float64)
+    values = {}
+    for lam in (1.0, 0.0, 1.0):
+        trainer._lam.fill_(lam)
+        values[lam] = loss(task)
+        torch.testing.assert_close(values[lam], trainer.loss(task))
+    assert len(graphs) == 1
+    assert values[0.0] < values[1.0]  # lam = 1 weighs R (about 1 here) over the task loss 0.7
