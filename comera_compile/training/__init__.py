@@ -1,6 +1,8 @@
 """Rank-adaptive training (CoMERA): penalty, two stages, pruning with optimizer state,
 history and plots. Pieces that drop into a plain PyTorch training loop."""
 
+from comera_compile.training.bank import GateBank
+from comera_compile.training.distributed import PrunableDDP
 from comera_compile.training.groups import param_groups
 from comera_compile.training.history import History
 from comera_compile.training.penalty import (
@@ -17,6 +19,7 @@ from comera_compile.training.pruning import keep_min_rank, prune_model, slice_op
 from comera_compile.training.schedule import (
     EARLY,
     LATE,
+    BudgetSchedule,
     Plateau,
     late_stage_loss,
     size_weight,
@@ -24,10 +27,13 @@ from comera_compile.training.schedule import (
 from comera_compile.training.trainer import RankAdaptiveTrainer
 
 __all__ = [
+    "BudgetSchedule",
     "EARLY",
+    "GateBank",
     "LATE",
     "History",
     "Plateau",
+    "PrunableDDP",
     "RankAdaptiveTrainer",
     "core_l2",
     "effective_ranks",

@@ -16,43 +16,24 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from comera_compile.nn import TensorizedLayer, tensorized_layers
 from comera_compile.nn.gates import alive
-
-
-def _layers(model: nn.Module) -> list[TensorizedLayer]:
-    return list(tensorized_layers(model).values())
-
-
-def _zero(model: nn.Module) -> Tensor:
-    p = next(model.parameters(), None)
-    return torch.zeros(()) if p is None else p.new_zeros(())
+from comera_compile.training.bank import GateBank
 
 
 def rank_penalty(model: nn.Module, weight: float = 0.01, l2_weight: float = 0.0) -> Tensor:
     """``weight * mean(|g|, active g) + l2_weight * sum(core ** 2)`` over tensorized layers."""
-    total, count = _zero(model), _zero(model)
-    for layer in _layers(model):
-        for gate in layer.gates:
-            mask = alive(gate, layer.threshold)
-            total = total + (gate.abs() * mask).sum()
-            count = count + mask.sum()  # a tensor: no host sync per gate
-    penalty = weight * total / count.clamp(min=1)
-    return penalty + l2_weight * core_l2(model) if l2_weight else penalty
+    bank = GateBank(model)
+    penalty = weight * bank.penalty()
+    return penalty + l2_weight * bank.core_l2() if l2_weight else penalty
 
 
 def core_l2(model: nn.Module) -> Tensor:
     """Sum of squared core entries over all tensorized layers."""
-    total = _zero(model)
-    for layer in _layers(model):
-        for core in layer.cores:
-            total = total + core.pow(2).sum()
-    return total
+    return GateBank(model).core_l2()
 
 
 def soft_ranks(layer: TensorizedLayer) -> list[Tensor]:
@@ -64,25 +45,14 @@ def soft_ranks(layer: TensorizedLayer) -> list[Tensor]:
 
 def soft_size(model: nn.Module) -> Tensor:
     """Core parameter count at soft ranks, summed over tensorized layers (differentiable)."""
-    total = _zero(model)
-    for layer in _layers(model):
-        ranks = soft_ranks(layer)
-        for k, physical in enumerate(layer.core_physical_shapes()):
-            total = total + math.prod(physical) * ranks[k] * ranks[k + 1]
-    return total
+    return GateBank(model).soft_size()
 
 
 def effective_ranks(model: nn.Module) -> dict[str, list[int]]:
     """Effective rank list of every tensorized layer, read with one device-to-host copy."""
-    layers = tensorized_layers(model).items()
-    counts = [alive(g, layer.threshold).sum() for _, layer in layers for g in layer.gates]
-    flat = torch.stack(counts).tolist() if counts else []
-    ranks, i = {}, 0
-    for name, layer in layers:
-        n = len(layer.gates)
-        ranks[name] = [1, *(int(c) for c in flat[i : i + n]), 1]
-        i += n
-    return ranks
+    bank = GateBank(model)
+    counts = bank.alive_counts().tolist() if len(bank) else []
+    return bank.ranks(counts)
 
 
 def model_size(

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from comera_compile.nn import PruneResult, tensorized_layers
+from comera_compile.training.bank import GateBank
 
 
 def slice_optimizer_state(
@@ -63,17 +64,130 @@ def keep_min_rank(model: nn.Module, min_rank: int = 1) -> int:
 
     A bond with no live channel zeroes its whole layer (the chain has a zero matrix in the
     middle), and a dead gate gets no gradient to come back: the rank penalty must shrink
-    layers, never silently switch them off. Returns how many entries were lifted.
+    layers, never silently switch them off. Returns how many entries were lifted. Reads
+    the live counts of all bonds with one host transfer; only short bonds cost more.
     """
+    bank = GateBank(model)
+    if not len(bank):
+        return 0
+    counts = [int(c) for c in bank.alive_counts().tolist()]
+    return lift_short_bonds(bank, counts, min_rank)
+
+
+@torch.no_grad()
+def lift_short_bonds(bank: GateBank, counts: list[int], min_rank: int) -> int:
+    """``keep_min_rank`` on the bonds whose live count is below ``min_rank``; ``counts``
+    is updated in place."""
     lifted = 0
-    for layer in tensorized_layers(model).values():
-        floor = 2 * layer.threshold
-        for gate in layer.gates:
-            k = min(min_rank, gate.numel())
-            top = gate.abs().topk(k).indices
-            low = top[gate[top].abs() <= layer.threshold]
-            if low.numel():
-                sign = torch.where(gate[low] < 0, -1.0, 1.0).to(gate.dtype)
-                gate[low] = sign * floor
-                lifted += low.numel()
+    short = [b for b, c in enumerate(counts) if c < min_rank]
+    for b in short:
+        gate = bank.gates[b]
+        want = min(min_rank, gate.numel())
+        if counts[b] >= want:
+            continue
+        threshold = bank.thresholds[b]
+        top = gate.abs().topk(want).indices
+        low = top[gate[top].abs() <= threshold]
+        sign = torch.where(gate[low] < 0, -1.0, 1.0).to(gate.dtype)
+        gate[low] = sign * 2 * threshold
+        lifted += low.numel()
+        counts[b] += low.numel()
     return lifted
+
+
+@torch.no_grad()
+def freeze_dead(
+    bank: GateBank, bonds: list[int], optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Set the dead entries of these bonds' gates to exactly 0, with their optimizer state.
+
+    A dead entry gets no gradient, but AdamW's momentum would still carry it on, through
+    zero and back above the threshold; with the gate and its moments at 0 it stays dead.
+    """
+    gates = bank.gates
+    for b in bonds:
+        gate = gates[b]
+        keep = (gate.abs() > bank.thresholds[b]).to(gate.dtype)
+        gate.mul_(keep)
+        _mul_state(optimizer, gate, keep)
+
+
+def _mul_state(optimizer: torch.optim.Optimizer | None, param: torch.Tensor, keep) -> None:
+    if optimizer is None:
+        return
+    for value in optimizer.state.get(param, {}).values():
+        if torch.is_tensor(value) and value.shape == param.shape:
+            value.mul_(keep)
+
+
+@torch.no_grad()
+def channel_scores(bank: GateBank) -> list[torch.Tensor]:
+    """Per bond: the share of the bond's energy each live channel carries.
+
+    Channel ``j`` of bond ``k`` adds a rank-one term ``g_j a_j b_j`` to the chain, with
+    ``a_j`` the ``j``-th slice of the core on its left and ``b_j`` the one on its right;
+    its weight is ``(|g_j| |a_j| |b_j|) ** 2`` over the bond's total (-1 marks dead ones).
+    Shares, not raw sizes, so bonds of differently scaled layers compare.
+    """
+    scores = []
+    for b, (i, k) in enumerate(zip(bank.bond_layer, bank.bond_k)):
+        layer = bank.layers[i]
+        gate = layer.gates[k].detach()
+        r = gate.numel()
+        left = layer.cores[k].detach().reshape(-1, r).norm(dim=0)
+        right = layer.cores[k + 1].detach().reshape(r, -1).norm(dim=1)
+        alive = gate.abs() > bank.thresholds[b]
+        energy = (gate.abs() * alive * left * right).pow(2)
+        share = energy / energy.sum().clamp(min=torch.finfo(energy.dtype).tiny)
+        scores.append(torch.where(alive, share, -1.0))
+    return scores
+
+
+def choose_removals(
+    bank: GateBank,
+    scores: list[float],
+    counts: list[int],
+    excess: float,
+    min_rank: int,
+    unit: list[int] | None = None,
+) -> dict[int, list[int]]:
+    """Channels to switch off so the size falls by at least ``excess``: the smallest
+    energy shares first, never below ``min_rank`` live channels per bond.
+
+    ``scores`` is the flat concatenation of ``channel_scores``; ``unit`` the bytes per
+    parameter of each layer (None: count parameters). ``counts`` is updated in place.
+    Returns gate entry indices by bond.
+    """
+    bond_of, entry_of = [], []
+    for b, n in enumerate(bank.sizes()):
+        bond_of += [b] * n
+        entry_of += range(n)
+    order = sorted(
+        (i for i, s in enumerate(scores) if s >= 0), key=lambda i: (scores[i], bond_of[i])
+    )
+    chosen: dict[int, list[int]] = {}
+    for i in order:
+        if excess <= 0:
+            break
+        b = bond_of[i]
+        if counts[b] <= min_rank:
+            continue
+        cost = bank.cost_per_channel(counts, b)
+        excess -= cost * (1 if unit is None else unit[bank.bond_layer[b]])
+        counts[b] -= 1
+        chosen.setdefault(b, []).append(entry_of[i])
+    return chosen
+
+
+@torch.no_grad()
+def switch_off(
+    bank: GateBank, chosen: dict[int, list[int]], optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Zero the chosen gate entries and their optimizer state (they are dead from now on)."""
+    gates = bank.gates
+    for b, entries in chosen.items():
+        gate = gates[b]
+        keep = torch.ones_like(gate)
+        keep[torch.tensor(entries, device=gate.device)] = 0
+        gate.mul_(keep)
+        _mul_state(optimizer, gate, keep)

@@ -4,10 +4,17 @@ Early stage: task loss plus a small gate penalty, for stable convergence. Late s
 each step optimise whichever of task loss ``L`` and model size ``S`` is relatively
 further from its target (the reference's switch rule), with a little of both always on:
 ``loss = 0.1 L + 0.01 R + lam R + (1 - lam) L``.
+
+When the run's length is known, the late stage also follows a size budget that tightens
+from the size at late-stage start to the target on a cubic schedule (as AdaLoRA and
+movement pruning do: fast while the model has slack, gently near the target), reaching
+the target with ``settle_fraction`` of the late stage left for the task loss to recover.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -22,9 +29,32 @@ def size_weight(task_loss: float, task_target: float, size: float, size_target: 
     return 1.0 if task_gap < size_gap else 0.0
 
 
-def late_stage_loss(task_loss: Tensor, size_term: Tensor, lam: float) -> Tensor:
-    """The reference's late-stage objective for one step."""
+def late_stage_loss(task_loss: Tensor, size_term: Tensor, lam: float | Tensor) -> Tensor:
+    """The reference's late-stage objective for one step (``lam`` may be a 0-d tensor)."""
     return 0.1 * task_loss + 0.01 * size_term + lam * size_term + (1.0 - lam) * task_loss
+
+
+@dataclass
+class BudgetSchedule:
+    """Size budget over the late stage: ``start`` at ``begin``, ``target`` from ``end`` on."""
+
+    begin: int
+    end: int
+    start: float
+    target: float
+
+    @classmethod
+    def for_run(
+        cls, begin: int, total_steps: int, start: float, target: float, settle_fraction: float
+    ) -> BudgetSchedule:
+        """The budget of a late stage from step ``begin`` to ``total_steps``."""
+        span = max(1, math.ceil((total_steps - begin) * (1.0 - settle_fraction)))
+        return cls(begin, min(begin + span, total_steps), float(start), float(target))
+
+    def __call__(self, step: int) -> float:
+        """``target + (start - target) * (1 - progress) ** 3``, progress clamped to [0, 1]."""
+        progress = min(max((step - self.begin) / max(self.end - self.begin, 1), 0.0), 1.0)
+        return self.target + (self.start - self.target) * (1.0 - progress) ** 3
 
 
 class Plateau:

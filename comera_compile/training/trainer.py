@@ -1,40 +1,68 @@
 """RankAdaptiveTrainer: CoMERA's two-stage rank adaptation in a plain PyTorch loop.
 
-    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.2, early_steps=2000)
+    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.2, early_steps=2000,
+                                  total_steps=len(loader) * epochs)
     for x, y in data:
         loss = trainer.loss(F.cross_entropy(model(x), y))
         optimizer.zero_grad(); loss.backward(); optimizer.step()
         trainer.step()
 
-``loss`` adds the terms of the current stage; ``step`` does the bookkeeping: it prunes
-dead rank channels (with the optimizer state) every ``prune_every`` steps and at the
-stage switch, starts the late stage when due, and records the history.
+``loss`` adds the terms of the current stage; ``step`` does the bookkeeping: dead rank
+channels are frozen at exactly zero (with their optimizer state, so momentum cannot bring
+them back), channels are pruned for real every ``prune_every`` steps and at the stage
+switch, the late stage starts when due, and the history is recorded.
 
 The late stage needs targets. Size ``S`` is ``model_size`` (parameters, or bytes with
 ``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` at late-stage start,
 or ``target_params`` / ``target_bytes``. The task-loss target ``L_t`` is ``task_target``,
 or else the task loss EMA at late-stage start (hold the loss where it was, shrink the rest).
+
+Without the run's length the late stage is the paper's: each step the switch rule picks
+the objective further from its target. With ``total_steps`` (or ``epochs`` and
+``steps_per_epoch``) the switch rule chases a budget that tightens on a cubic schedule and
+reaches ``S_t`` with ``settle_fraction`` of the late stage left; at each prune point where
+the size lags the budget, the channels with the smallest share of their bond's energy are
+switched off until it does not. So a run of a few hundred steps ends at its target.
+
+Bookkeeping costs a few fused kernels over all gates and one device-to-host transfer per
+step. ``lam`` and the size scale are tensors set from the previous step's values, so
+``loss`` never syncs and can run inside a captured (compiled / CUDA Graph) step.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from comera_compile.nn import PruneResult
+from comera_compile.training.bank import GateBank
+from comera_compile.training.distributed import Collective, unwrap
 from comera_compile.training.history import History
-from comera_compile.training.penalty import (
-    core_l2,
-    effective_ranks,
-    model_size,
-    rank_penalty,
-    soft_size,
-    tensorized_compression,
+from comera_compile.training.penalty import model_size
+from comera_compile.training.pruning import (
+    channel_scores,
+    choose_removals,
+    freeze_dead,
+    lift_short_bonds,
+    prune_model,
+    switch_off,
 )
-from comera_compile.training.pruning import keep_min_rank, prune_model
-from comera_compile.training.schedule import EARLY, LATE, Plateau, late_stage_loss, size_weight
+from comera_compile.training.schedule import EARLY, LATE, BudgetSchedule, Plateau, size_weight
+
+
+def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
+    if total_steps is not None and (epochs is not None or steps_per_epoch is not None):
+        raise ValueError("give total_steps, or epochs and steps_per_epoch, not both")
+    if (epochs is None) != (steps_per_epoch is None):
+        raise ValueError("epochs and steps_per_epoch go together (total = their product)")
+    if epochs is not None:
+        total_steps = epochs * steps_per_epoch
+    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+    return total_steps
 
 
 class RankAdaptiveTrainer:
@@ -43,7 +71,7 @@ class RankAdaptiveTrainer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         target_ratio: float = 0.2,
         early_steps: int | None = 1000,
         prune_every: int | None = 100,
@@ -55,6 +83,10 @@ class RankAdaptiveTrainer:
         plateau_patience: int | None = None,
         history: bool = True,
         min_rank: int = 1,
+        total_steps: int | None = None,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        settle_fraction: float = 0.25,
     ) -> None:
         if target_params is not None and target_bytes is not None:
             raise ValueError("give target_params or target_bytes, not both")
@@ -63,6 +95,17 @@ class RankAdaptiveTrainer:
         for name, value in (("early_steps", early_steps), ("prune_every", prune_every)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+        if not isinstance(min_rank, int) or min_rank < 1:
+            raise ValueError(f"min_rank must be a positive int, got {min_rank!r}")
+        if not 0 <= settle_fraction < 1:
+            raise ValueError(f"settle_fraction must be in [0, 1), got {settle_fraction}")
+        self.total_steps = _run_length(total_steps, epochs, steps_per_epoch)
+        if self.total_steps is not None and early_steps is not None:
+            if early_steps >= self.total_steps:
+                raise ValueError(
+                    f"early_steps={early_steps} leaves no late stage in a run of "
+                    f"{self.total_steps} steps; lower early_steps"
+                )
         self.model, self.optimizer = model, optimizer
         self.target_ratio, self.target_params, self.target_bytes = (
             target_ratio,
@@ -71,18 +114,22 @@ class RankAdaptiveTrainer:
         )
         self.early_steps, self.prune_every = early_steps, prune_every
         self.penalty_weight, self.l2_weight = penalty_weight, l2_weight
-        self.task_target = task_target
+        self.task_target, self.min_rank = task_target, min_rank
+        self.settle_fraction = settle_fraction
         self.plateau = Plateau(plateau_patience)
-        if not isinstance(min_rank, int) or min_rank < 1:
-            raise ValueError(f"min_rank must be a positive int, got {min_rank!r}")
-        self.min_rank = min_rank
+        self.bank = GateBank(unwrap(model))
+        self.collective = Collective()
         self.steps = 0
         self._stage = EARLY
         self.size_start: int | None = None  # S when the late stage started
         self.size_target: float | None = None  # S_t
         self.task_loss_target: float | None = None  # L_t
-        self._size_norm: float | None = None  # soft_size at late-stage start, so R starts at 1
-        self._pending: dict[str, Tensor | float] = {}
+        self.schedule: BudgetSchedule | None = None
+        self.lam = 0.0  # the switch rule's choice for the next step (host copy)
+        self._counts = self.bank.sizes()  # live channels per bond after the last step
+        self._other = self._other_size()
+        self._tensors_ready = False
+        self._pending: dict[str, Tensor] = {}
         self._history = History() if history else None
         self.last_pruned: dict[str, PruneResult] = {}
 
@@ -101,54 +148,76 @@ class RankAdaptiveTrainer:
 
     def size(self, ranks: dict[str, list[int]] | None = None) -> int:
         """``S``: the model's size in the unit of the target (parameters or bytes)."""
-        return model_size(self.model, in_bytes=self.in_bytes, ranks=ranks)
+        return model_size(unwrap(self.model), in_bytes=self.in_bytes, ranks=ranks)
 
     def loss(self, task_loss: Tensor) -> Tensor:
         """The task loss plus the current stage's rank terms (call once per step)."""
+        task_weight, extra = self.rank_terms()
+        self._pending = {"task_loss": task_loss.detach(), "rank_loss": extra.detach()}
+        return task_weight * task_loss + extra
+
+    def rank_terms(self) -> tuple[Tensor | float, Tensor]:
+        """``(w, extra)`` with this step's objective ``w * task_loss + extra``.
+
+        Early stage: ``w = 1``, ``extra`` the gate penalty. Late stage:
+        ``w = 1.1 - lam``, ``extra = (0.01 + lam) * R``, the paper's
+        ``0.1 L + 0.01 R + lam R + (1 - lam) L``. No host sync: ``lam`` is a tensor.
+        """
+        self._ensure_tensors()
         if self._stage == EARLY:
-            extra = rank_penalty(self.model, self.penalty_weight, self.l2_weight)
-            self._pending = {"task_loss": task_loss.detach(), "rank_loss": extra.detach()}
-            return task_loss + extra
-        size_term = soft_size(self.model) / self._size_norm
-        lam = size_weight(
-            float(task_loss.detach()), self.task_loss_target, self.size(), self.size_target
-        )
-        total = late_stage_loss(task_loss, size_term, lam)
+            weight, extra = 1.0, self.penalty_weight * self.bank.penalty()
+        else:
+            size_term = self.bank.soft_size() / self._size_norm
+            weight, extra = 1.1 - self._lam, (0.01 + self._lam) * size_term
         if self.l2_weight:
-            total = total + self.l2_weight * core_l2(self.model)
-        self._pending = {
-            "task_loss": task_loss.detach(),
-            "rank_loss": size_term.detach(),
-            "lam": lam,
-        }
-        return total
+            extra = extra + self.l2_weight * self.bank.core_l2()
+        return weight, extra
+
+    def observe(self, task_loss: Tensor) -> None:
+        """Tell ``step`` this step's task loss when ``loss`` was not the one adding the terms
+        (a framework callback adds them as gradients instead)."""
+        self._pending = {"task_loss": task_loss.detach()}
 
     def step(self) -> None:
-        """Bookkeeping after ``optimizer.step()``: prune, maybe switch stage, record."""
+        """Bookkeeping after ``optimizer.step()``: freeze dead channels, prune, maybe switch
+        stage, set the next step's ``lam``, record."""
         self.steps += 1
-        keep_min_rank(self.model, self.min_rank)
-        task_loss = self._pending.get("task_loss")
-        plateaued = self.plateau.update(float(task_loss)) if task_loss is not None else False
+        counts, task_loss = self._read()
+        lift_short_bonds(self.bank, counts, self.min_rank)
+        died = [b for b, c in enumerate(counts) if c < self._counts[b]]
+        freeze_dead(self.bank, died, self.optimizer)
+        plateaued = self.plateau.update(task_loss) if task_loss is not None else False
         due = self.early_steps is not None and self.steps >= self.early_steps
         self.last_pruned = {}
         if self._stage == EARLY and (due or plateaued):
-            self.start_late_stage()
+            self.start_late_stage(counts)
+        elif self._stage == LATE and self._prune_due():
+            self._meet_budget(counts)
+            self.prune()
         elif self.prune_every and self.steps % self.prune_every == 0:
             self.prune()
+        self._counts = counts
+        size = self._size_of(counts)
+        if self._stage == LATE:
+            self.lam = self._switch(task_loss, size)
+            self._lam.fill_(self.lam)
         if self._history is not None:
-            self._record()
+            self._record(counts, size, task_loss)
         self._pending = {}
 
     # ----- stage control ------------------------------------------------------------------
     def prune(self) -> dict[str, PruneResult]:
-        """Drop dead rank channels now (cores, gates and optimizer state)."""
-        self.last_pruned = prune_model(self.model, self.optimizer)
+        """Drop dead rank channels now (cores, gates and optimizer state). Under DDP the
+        gates are first checked equal on every rank."""
+        self.collective.check_same(self.bank)
+        self.last_pruned = prune_model(unwrap(self.model), self.optimizer)
         return self.last_pruned
 
-    def start_late_stage(self) -> None:
+    def start_late_stage(self, counts: list[int] | None = None) -> None:
         """Switch to the late stage now: prune, then fix ``S_t``, ``L_t`` and the R scale."""
+        counts = self._read()[0] if counts is None else counts
         self.prune()
-        self.size_start = self.size()
+        self.size_start = self._size_of(counts)
         if self.target_bytes is not None:
             self.size_target = float(self.target_bytes)
         elif self.target_params is not None:
@@ -161,37 +230,140 @@ class RankAdaptiveTrainer:
             self.task_loss_target = float(self.plateau.ema)
         else:
             raise RuntimeError("no task loss seen yet: call loss() before the late stage starts")
-        self._size_norm = max(float(soft_size(self.model).detach()), 1e-12)
+        floor = self._size_of([min(self.min_rank, c) for c in counts])
+        if self.size_target < floor:
+            warnings.warn(
+                f"size target {self.size_target:,.0f} is below what the model weighs at "
+                f"min_rank={self.min_rank} ({floor:,}): layers left dense and biases set "
+                "the floor; tensorize more layers or raise the target",
+                stacklevel=2,
+            )
+        if self.total_steps is not None:
+            self.schedule = BudgetSchedule.for_run(
+                self.steps, self.total_steps, self.size_start, self.size_target,
+                self.settle_fraction,
+            )
+        self._ensure_tensors()
+        with torch.no_grad():
+            self._size_norm.copy_(self.bank.soft_size().clamp(min=1e-12))
         self._stage = LATE
+
+    def budget(self, step: int | None = None) -> float | None:
+        """The size the late stage aims at by ``step`` (now by default): the scheduled
+        budget when the run's length is known, else ``S_t``."""
+        if self._stage != LATE:
+            return None
+        step = self.steps if step is None else step
+        return self.schedule(step) if self.schedule is not None else self.size_target
 
     @property
     def target_reached(self) -> bool:
         """True in the late stage once ``S <= S_t``."""
         return self._stage == LATE and self.size() <= self.size_target
 
-    def _record(self) -> None:
-        ranks = effective_ranks(self.model)
-        row: dict[str, Any] = {"step": self.steps, "stage": self._stage}
-        for key in ("task_loss", "rank_loss"):
-            value = self._pending.get(key)
-            row[key] = None if value is None else float(value)
-        row["lam"] = self._pending.get("lam")
-        row["params"] = model_size(self.model, ranks=ranks)
-        row["compression"] = tensorized_compression(self.model, ranks=ranks)
-        row["pruned"] = sum(r.total_removed for r in self.last_pruned.values())
-        row["ranks"] = ranks
-        self._history.record(**row)
+    # ----- internals ----------------------------------------------------------------------
+    def _ensure_tensors(self) -> None:
+        """``lam`` and the size scale live on the gates' device, created once."""
+        if self._tensors_ready:
+            return
+        gates = self.bank.gates
+        like = gates[0].detach() if gates else torch.zeros(())
+        self._lam = like.new_full((), self.lam)
+        self._size_norm = like.new_ones(())
+        self._tensors_ready = True
+
+    def _read(self) -> tuple[list[int], float | None]:
+        """Live channels per bond and the task loss: the step's one device-to-host transfer
+        (under DDP the loss is averaged over ranks first, as the concatenated batch's)."""
+        counts = self.bank.alive_counts() if len(self.bank) else torch.zeros(0)
+        loss = self._pending.get("task_loss")
+        packed = counts if loss is None else torch.cat([counts, loss.reshape(1).to(counts)])
+        if loss is not None:
+            packed = self.collective.mean_last(packed)
+        host = packed.tolist()
+        if loss is None:
+            return [int(c) for c in host], None
+        return [int(c) for c in host[:-1]], host[-1]
+
+    def _other_size(self) -> int:
+        """Parameters (or bytes) outside the tensorized cores and gates; shapes never change."""
+        inside = {id(p) for lay in self.bank.layers for p in (*lay.cores, *lay.gates)}
+        seen, total = set(), 0
+        for p in unwrap(self.model).parameters():
+            if id(p) not in inside and id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * (p.element_size() if self.in_bytes else 1)
+        return total
+
+    def _units(self) -> list[int] | None:
+        return [lay.cores[0].element_size() for lay in self.bank.layers] if self.in_bytes else None
+
+    def _size_of(self, counts: list[int]) -> int:
+        """``S`` from per-bond live counts: host arithmetic only."""
+        sizes = self.bank.layer_parameters(counts)
+        units = self._units()
+        if units is not None:
+            sizes = [s * u for s, u in zip(sizes, units)]
+        return sum(sizes) + self._other
+
+    def _prune_due(self) -> bool:
+        if self.prune_every and self.steps % self.prune_every == 0:
+            return True
+        return self.schedule is not None and self.steps in (self.schedule.end, self.total_steps)
+
+    def _meet_budget(self, counts: list[int]) -> None:
+        """Switch off the least important channels while the size lags the budget."""
+        if self.schedule is None:
+            return
+        excess = self._size_of(counts) - self.schedule(self.steps)
+        if excess <= 0:
+            return
+        scores = torch.cat(channel_scores(self.bank))
+        scores = self.collective.from_first(scores).tolist()  # rank 0 decides for everyone
+        chosen = choose_removals(self.bank, scores, counts, excess, self.min_rank, self._units())
+        switch_off(self.bank, chosen, self.optimizer)
+
+    def _switch(self, task_loss: float | None, size: int) -> float:
+        """The paper's switch rule, against the current budget."""
+        if task_loss is None:
+            return self.lam
+        return size_weight(task_loss, self.task_loss_target, size, self.budget(self.steps + 1))
+
+    def _record(self, counts: list[int], size: int, task_loss: float | None) -> None:
+        ranks = self.bank.ranks(counts)
+        rank_loss = self._pending.get("rank_loss")
+        dense = sum(lay.dense_parameters for lay in self.bank.layers)
+        cores = sum(
+            lay.num_core_parameters(ranks[name])
+            for name, lay in zip(self.bank.names, self.bank.layers)
+        )
+        self._history.record(
+            step=self.steps,
+            stage=self._stage,
+            task_loss=task_loss,
+            rank_loss=None if rank_loss is None else float(rank_loss),
+            lam=self.lam if self._stage == LATE else None,
+            budget=self.budget(),
+            params=model_size(unwrap(self.model), ranks=ranks) if self.in_bytes else size,
+            compression=dense / cores if cores else 1.0,
+            pruned=sum(r.total_removed for r in self.last_pruned.values()),
+            ranks=ranks,
+        )
 
     # ----- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Stage, step count, targets, loss EMA and history (not the model or optimizer)."""
+        """Stage, step count, targets, schedule, loss EMA and history (not the model or
+        optimizer)."""
         return {
             "steps": self.steps,
             "stage": self._stage,
             "size_start": self.size_start,
             "size_target": self.size_target,
             "task_loss_target": self.task_loss_target,
-            "size_norm": self._size_norm,
+            "size_norm": float(self._size_norm) if self._tensors_ready else 1.0,
+            "lam": self.lam,
+            "counts": list(self._counts),
+            "schedule": None if self.schedule is None else vars(self.schedule).copy(),
             "plateau": self.plateau.state_dict(),
             "history": None if self._history is None else self._history.state_dict(),
         }
@@ -201,7 +373,14 @@ class RankAdaptiveTrainer:
         or load the optimizer, then this."""
         self.steps, self._stage = state["steps"], state["stage"]
         self.size_start, self.size_target = state["size_start"], state["size_target"]
-        self.task_loss_target, self._size_norm = state["task_loss_target"], state["size_norm"]
+        self.task_loss_target = state["task_loss_target"]
+        self.lam = state.get("lam", 0.0)
+        self._counts = list(state.get("counts", self.bank.sizes()))
+        schedule = state.get("schedule")
+        self.schedule = None if schedule is None else BudgetSchedule(**schedule)
+        self._ensure_tensors()
+        self._lam.fill_(self.lam)
+        self._size_norm.fill_(state["size_norm"] or 1.0)
         self.plateau.load_state_dict(state["plateau"])
         if self._history is not None and state.get("history") is not None:
             self._history.load_state_dict(state["history"])

@@ -1,0 +1,64 @@
+"""Rank-adaptive training in Lightning: one callback, no change to the LightningModule.
+
+    trainer = lightning.Trainer(max_steps=800, callbacks=[RankAdaptation(target_ratio=0.3)])
+
+Lightning owns the loss, so the callback adds the rank terms as gradients instead:
+just before each optimizer step (gradients accumulated, unscaled under AMP, not yet
+clipped) it scales the task gradients by the stage's task weight and back-propagates the
+rank terms, which is exactly the gradient of ``w * task_loss + extra``. After the step it
+does the ``RankAdaptiveTrainer`` bookkeeping with the step's loss. The run's length is
+``trainer.estimated_stepping_batches``, so the size target is reached by the end.
+
+Single device (or ``PrunableDDP`` in your own loop): Lightning's DDP strategy keeps its
+own reducer, which a prune would break; there use ``prune_every=None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from comera_compile.training import RankAdaptiveTrainer
+
+
+class RankAdaptation(Callback):
+    """Adds CoMERA's rank terms to a Lightning run and shrinks the model as it trains.
+
+    Keyword arguments go to ``RankAdaptiveTrainer``; ``rank_trainer`` is the result.
+    """
+
+    def __init__(self, **rank_adaptation: Any) -> None:
+        self.options = rank_adaptation
+        self.rank_trainer: RankAdaptiveTrainer | None = None
+        self._stepped_at = -1
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(
+                f"RankAdaptation needs exactly one optimizer, got {len(trainer.optimizers)}"
+            )
+        total = trainer.estimated_stepping_batches
+        options = dict(self.options)
+        if math.isfinite(total):
+            options.setdefault("total_steps", int(total))
+        self.rank_trainer = RankAdaptiveTrainer(pl_module, trainer.optimizers[0], **options)
+        self._stepped_at = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        weight, extra = self.rank_trainer.rank_terms()
+        if not (isinstance(weight, float) and weight == 1.0):
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, weight)
+        extra.backward()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._stepped_at:  # accumulating: no optimizer step yet
+            return
+        self._stepped_at = trainer.global_step
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.rank_trainer.observe(loss)
+        self.rank_trainer.step()

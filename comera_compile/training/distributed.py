@@ -1,0 +1,102 @@
+"""Rank-adaptive training under ``torch.distributed`` data parallelism.
+
+Pruning changes parameter shapes, and ``DistributedDataParallel`` fixes its gradient
+buckets to the shapes it saw when it was built. ``PrunableDDP`` wraps the model like DDP
+and rebuilds the DDP wrapper (and with it the reducer) on the first forward after the
+shapes changed, so the training loop does not notice. The optimizer is unaffected: pruning
+keeps every Parameter object and slices its state.
+
+Every rank must make the same pruning decision. After all-reduced gradients the gates are
+bitwise equal on every rank; the trainer checks that at each prune (``Collective``), and
+the channel-removal decision of the budget schedule is taken from rank 0's numbers.
+The task loss the trainer sees is averaged over ranks: the loss of the concatenated batch.
+
+    torchrun --nproc_per_node=2 train.py     # gloo on CPU, nccl on GPU
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside ``PrunableDDP`` / ``DistributedDataParallel``."""
+    while isinstance(model, (PrunableDDP, DistributedDataParallel)):
+        model = model.module
+    return model
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Collective:
+    """The few collectives the trainer needs; no-ops without an initialised process group."""
+
+    def mean_last(self, packed: Tensor) -> Tensor:
+        """Average the last entry over ranks (the rest is equal everywhere and kept)."""
+        if not _active():
+            return packed
+        last = packed[-1:].clone()
+        dist.all_reduce(last)
+        return torch.cat([packed[:-1], last / dist.get_world_size()])
+
+    def from_first(self, tensor: Tensor) -> Tensor:
+        """Rank 0's copy of ``tensor`` on every rank."""
+        if not _active():
+            return tensor
+        tensor = tensor.clone()
+        dist.broadcast(tensor, src=0)
+        return tensor
+
+    def check_same(self, bank: Any) -> None:
+        """Raise if the gates differ between ranks (every rank must prune the same)."""
+        if not _active() or not len(bank):
+            return
+        mine = bank.flat().detach()
+        first = self.from_first(mine)
+        if not torch.equal(mine, first):
+            raise RuntimeError(
+                f"rank {dist.get_rank()}'s rank gates differ from rank 0's before pruning; "
+                "gradients must be all-reduced (wrap the model in PrunableDDP) and every rank "
+                "must run the same optimizer"
+            )
+
+
+class PrunableDDP(nn.Module):
+    """``DistributedDataParallel`` that survives pruning: rebuilt when shapes change.
+
+    ``PrunableDDP(model, **ddp_kwargs)`` takes DDP's keyword arguments. ``module`` is the
+    user's model; ``state_dict`` and ``parameters`` are the model's, under ``module.``.
+    """
+
+    def __init__(self, module: nn.Module, **ddp_kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._ddp_kwargs = ddp_kwargs
+        self._wrapper: list[DistributedDataParallel] = []  # a list: not a second submodule
+        self.rebuilds = 0
+        self._build()
+
+    def _shapes(self) -> tuple[torch.Size, ...]:
+        return tuple(p.shape for p in self.module.parameters())
+
+    def _build(self) -> None:
+        self._wrapper.clear()  # the old reducer goes with its wrapper, hooks included
+        self._wrapper.append(DistributedDataParallel(self.module, **self._ddp_kwargs))
+        self._built_for = self._shapes()
+
+    def rebuild(self) -> None:
+        """Make a fresh DDP wrapper for the current parameter shapes."""
+        self._build()
+        self.rebuilds += 1
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._shapes() != self._built_for:
+            self.rebuild()
+        return self._wrapper[0](*args, **kwargs)

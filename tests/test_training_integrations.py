@@ -1,0 +1,166 @@
+"""Rank adaptation in the loops people use: Hugging Face ``Trainer`` and Lightning, each
+with a real short run that shrinks ranks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from comera_compile.nn import TTLinear
+from comera_compile.training import LATE, RankAdaptiveTrainer, param_groups
+
+STEPS = 30
+OPTIONS = {"early_steps": 10, "prune_every": 5, "target_ratio": 0.5}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        TTLinear(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4]),
+        nn.Tanh(),
+        TTLinear(12, 3, ranks=3, in_modes=[3, 4], out_modes=[1, 3]),
+    ).double()
+
+
+def data(n=32):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 16, generator=g, dtype=torch.float64)
+    return x, x[:, :3].argmax(1)
+
+
+def adamw(model):
+    return torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-2, lr_rest=1e-2))
+
+
+def plain_loop(model):
+    x, y = data()
+    opt = adamw(model)
+    trainer = RankAdaptiveTrainer(model, opt, total_steps=STEPS, **OPTIONS)
+    for _ in range(STEPS):
+        loss = trainer.loss(F.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        trainer.step()
+    return trainer
+
+
+def assert_shrank(rank_trainer, model):
+    assert rank_trainer.stage == LATE and rank_trainer.steps == STEPS
+    assert rank_trainer.target_reached
+    assert model[0].ranks == model[0].effective_ranks() != [1, 4, 4, 4, 1]
+    losses = rank_trainer.history.column("task_loss")
+    assert losses[-1] < losses[0]
+
+
+# ----- Lightning ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_lightning_callback_shrinks_ranks_and_matches_the_plain_loop():
+    lightning = pytest.importorskip("lightning")
+    from comera_compile.integrations.lightning import RankAdaptation
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = small_model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return adamw(self.net)
+
+    module = Module()
+    callback = RankAdaptation(**OPTIONS)
+    trainer = lightning.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    x, y = data()
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=len(x)))
+    assert callback.rank_trainer.total_steps == STEPS
+    assert_shrank(callback.rank_trainer, module.net)
+
+    reference = small_model()
+    plain_loop(reference)  # gradients added as a loss term instead of in the callback
+    for (name, got), want in zip(module.net.state_dict().items(), reference.state_dict().values()):
+        if torch.is_tensor(got):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
+
+
+# ----- Hugging Face ------------------------------------------------------------------------
+class Pairs(Dataset):
+    def __init__(self):
+        self.x, self.y = data()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "labels": self.y[i]}
+
+
+class Classifier(nn.Module):
+    """A model the way ``transformers.Trainer`` expects one: keyword inputs, a loss out."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small_model()
+
+    def forward(self, features, labels=None):
+        logits = self.net(features)
+        loss = None if labels is None else F.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+
+
+def test_hugging_face_trainer_adds_rank_terms_and_shrinks_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    from comera_compile.integrations.huggingface import RankAdaptiveHFTrainer
+
+    model = Classifier()
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=32,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = RankAdaptiveHFTrainer(
+        model=model, args=args, train_dataset=Pairs(), rank_adaptation=OPTIONS
+    )
+    trainer.train()
+    rank_trainer = trainer.rank_trainer
+    assert rank_trainer.total_steps == STEPS
+    assert_shrank(rank_trainer, model.net)
+    late = [r for r in rank_trainer.history.records if r["stage"] == LATE]
+    assert all(r["rank_loss"] is not None for r in rank_trainer.history.records)
+    assert len(late) == STEPS - OPTIONS["early_steps"] + 1
+
+    model.eval()  # evaluation losses carry no rank terms
+    with torch.no_grad():
+        batch = {k: v.unsqueeze(0) for k, v in Pairs()[0].items()}
+        plain = model(**batch)["loss"]
+        assert trainer.compute_loss(model, batch) == plain
