@@ -4,17 +4,17 @@ so ``torch.compile(model, backend="comera")`` works in a process that never impo
 Design: the layers already contract through plain torch ops; what compile needs from us is
 that planning stays out of the trace and that each shape gets its own plan. While dynamo
 traces, every TT/TTM linear and TT embedding routes its contraction through one
-``comera::`` custom op (see ``ops.py``), so the graph this backend receives holds one
-recognisable node per tensorized layer. The backend
+``comera::`` custom op (``comera_compile.planner.ops``), so the graph this backend receives
+holds one recognisable node per tensorized layer. The backend
 
 1. finds those nodes (none: one warning per process, then plain inductor);
 2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
    so the plans picked while lowering use them);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
-   plan's pairwise program for the static row count of this graph (dynamo compiles one
-   graph per batch size, and the op specialises a symbolic one, so each batch size gets the
-   plan of its bucket), inductor fuses it with the rest of the model and, on CUDA, runs it
-   under CUDA Graph trees; a new shape or a pruned rank is a new graph, hence a new recording.
+   plan's pairwise program for the rows' bucket (a symbolic batch is guarded to its bucket,
+   so one graph serves every batch size in it), inductor fuses it with the rest of the
+   model and, on CUDA, runs it under CUDA Graph trees; a new bucket or a pruned rank is a
+   new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): faster dropout there, and
    the same dropout masks as eager.
 """
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from comera_compile.compile.ops import CONTRACT, TENSORIZED_OPS
 from comera_compile.compile.options import BackendOptions, parse_options
+from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS
 
 _warned_plain = False
 

@@ -10,10 +10,7 @@ from torch import Tensor, nn
 
 from comera_compile.nn.base import next_power_of_two
 from comera_compile.planner import PlanRecord, get_plan, plan_records_for
-
-traced_contraction = None
-"""Set by ``comera_compile.compile``: while torch.compile traces, the contraction goes through
-a custom op so that planning a new batch size never runs inside (and splits) the graph."""
+from comera_compile.planner.ops import planned_contract
 
 
 class PlannedLinearMixin:
@@ -101,8 +98,16 @@ class PlannedLinearMixin:
         lead = x.shape[:-1]
         x2 = self._pad_input(x.reshape(-1, self.in_features))
         rows = x2.shape[0]
-        if traced_contraction is not None and torch.compiler.is_compiling():
-            y = traced_contraction(self, x2.reshape(rows, *self.in_modes), self.network_cores())
+        if torch.compiler.is_compiling():  # one op: planning stays out of the graph
+            y = planned_contract(
+                x2.reshape(rows, *self.in_modes),
+                self.network_cores(),
+                self.format,
+                self.in_modes,
+                self.out_modes,
+                self.objective,
+                self.autotune,
+            )
             return self._finish(y, lead)
         plan = self.plan_for(rows, x.dtype, x.device.type)
         # the bias rides in the last matmul when the output needs no un-padding
