@@ -79,15 +79,37 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         gm.recompile()
     else:
         _warn_plain()
-    if not opts.inductor:
-        from torch._dynamo.backends.registry import lookup_backend
+    # the partitioner reads the activation budget while the graph is compiled, right here
+    with torch._functorch.config.patch(activation_memory_budget=opts.memory):
+        if not opts.inductor:
+            return _aot_eager(gm, example_inputs, low_memory=opts.memory < 1)
+        from torch._inductor.compile_fx import compile_fx
 
+        cuda = _on_cuda(example_inputs)
+        cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
+        config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
+        # On CPU, inductor's own dropout RNG is slower than aten's; aten's also matches eager.
+        config.setdefault("fallback_random", not cuda)
+        return compile_fx(gm, example_inputs, config_patches=config)
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], low_memory: bool):
+    """AOT autograd with eager kernels; with the min-cut partitioner (inductor's) when a
+    memory budget is set, so the budget shapes what backward recomputes here too."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    if not low_memory:
         return lookup_backend("aot_eager")(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    cuda = _on_cuda(example_inputs)
-    cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
-    config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
-    # On CPU, inductor's own dropout RNG is slower than aten's; aten's also matches eager.
-    config.setdefault("fallback_random", not cuda)
-    return compile_fx(gm, example_inputs, config_patches=config)
+    def run_as_is(graph: fx.GraphModule, _inputs):
+        return make_boxed_func(graph.forward)
+
+    compiler = aot_autograd(
+        fw_compiler=run_as_is,
+        bw_compiler=run_as_is,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return compiler(gm, example_inputs)

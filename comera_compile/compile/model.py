@@ -20,6 +20,7 @@ def compile_model(model: nn.Module, dynamic: bool | None = None, **options: Any)
     tensorized ops guard it to its plan bucket (the next power of two of the rows), so there
     is one graph per bucket, not one per batch size. Options are checked here, before the
     first call, so a typo fails at once rather than on the first forward.
+    ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
     """
