@@ -69,12 +69,13 @@ class PlannedLinearMixin:
         key = (next_power_of_two(rows), dtype, device_type)
         plan = self._plans.get(key)
         if plan is None:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             plan = get_plan(
                 self._network(key[0]),
                 dtype=dtype,
                 device_type=device_type,
                 objective=self.objective,
-                autotune=self.autotune,
+                autotune=self.autotune and not capturing,  # timing would sync the host
             )
             self._plans[key] = plan
         return plan
