@@ -73,6 +73,7 @@ def optimize(
     autotune: bool = False,
     inplace: bool = False,
     objective: str = "combo",
+    memory: str | float = "default",
 ) -> nn.Module:
     """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` to meet ``budget``.
 
@@ -86,8 +87,12 @@ def optimize(
     (compiled on the first call, once per batch size and per rank change); ``compile=False``
     returns the eager module. ``autotune=True`` times the best few contraction orders of
     each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
+    ``memory="low"`` (compiled models) recomputes cheap activations in backward: several
+    times less training memory for a few percent more step time.
     """
     _check_arguments(model, init, format, max_rank, objective)
+    if memory != "default" and not compile:
+        raise ValueError(f"memory={memory!r} acts while compiling; pass compile=True")
     budget = parse_budget(budget)
     work = model if inplace else copy.deepcopy(model)
     if inplace:  # a GraphModule would be a new object: swap modules in the model itself
@@ -144,7 +149,7 @@ def optimize(
         return target
     from comera_compile.compile import compile_model  # imports inductor: only when asked
 
-    return compile_model(target)
+    return compile_model(target, memory=memory)
 
 
 def plans(

@@ -174,3 +174,51 @@ def test_compiled_captured_step_trains():
     step = cc.capture_train_step(model, optimizer, loss_fn, data, compile=True)
     losses = [step(data).item() for _ in range(10)]
     assert losses[-1] < losses[0]
+
+
+def test_lr_scheduler_acts_on_the_replayed_step():
+    model = six_encoder()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.0 if epoch else 1.0)
+    step = cc.capture_train_step(model, optimizer, loss_fn, batch(4))
+    step(batch(4))
+    scheduler.step()  # lr -> 0: the next replay must leave the parameters alone
+    before = [p.detach().clone() for p in model.parameters()]
+    step(batch(4, seed=1))
+    assert step.records == 1
+    for p, q in zip(before, model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+def test_compiled_model_and_cpu_batch_are_captured_like_eager():
+    eager_model = six_encoder()
+    graph_model = copy.deepcopy(eager_model)
+    eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3, weight_decay=0.0)
+    graph_opt = torch.optim.AdamW(graph_model.parameters(), lr=1e-3, weight_decay=0.0)
+    compiled = cc.compile_model(graph_model)  # cudagraph trees inside: must be unwrapped
+    cpu_batch = tuple(t.cpu() for t in batch(4))
+    step = cc.capture_train_step(compiled, graph_opt, loss_fn, cpu_batch)
+    for seed in range(2):
+        data = batch(4, seed=seed)
+        eager_opt.zero_grad(set_to_none=True)
+        want = loss_fn(eager_model, data)
+        want.backward()
+        eager_opt.step()
+        got = step(tuple(t.cpu() for t in data)).clone()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+    assert step.records == 1
+
+
+def test_warmup_restores_nadam_state():
+    eager_model = six_encoder()
+    graph_model = copy.deepcopy(eager_model)
+    eager_opt = torch.optim.NAdam(eager_model.parameters(), lr=1e-3)
+    graph_opt = torch.optim.NAdam(graph_model.parameters(), lr=1e-3)
+    step = cc.capture_train_step(graph_model, graph_opt, loss_fn, batch(4))
+    data = batch(4, seed=3)
+    eager_opt.zero_grad(set_to_none=True)
+    loss_fn(eager_model, data).backward()
+    eager_opt.step()
+    step(data)
+    for p, q in zip(eager_model.parameters(), graph_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)

@@ -2,9 +2,9 @@
 
 from comera_compile.compile.backend import comera_backend, tensorized_nodes
 from comera_compile.compile.model import compile_model
-from comera_compile.compile.ops import traced_plans
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.train_step import TrainStep, capture_train_step
+from comera_compile.planner.ops import traced_plans
 
 __all__ = [
     "BackendOptions",

@@ -4,17 +4,17 @@ so ``torch.compile(model, backend="comera")`` works in a process that never impo
 Design: the layers already contract through plain torch ops; what compile needs from us is
 that planning stays out of the trace and that each shape gets its own plan. While dynamo
 traces, every TT/TTM linear and TT embedding routes its contraction through one
-``comera::`` custom op (see ``ops.py``), so the graph this backend receives holds one
-recognisable node per tensorized layer. The backend
+``comera::`` custom op (``comera_compile.planner.ops``), so the graph this backend receives
+holds one recognisable node per tensorized layer. The backend
 
 1. finds those nodes (none: one warning per process, then plain inductor);
 2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
    so the plans picked while lowering use them);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
-   plan's pairwise program for the static row count of this graph (dynamo compiles one
-   graph per batch size, and the op specialises a symbolic one, so each batch size gets the
-   plan of its bucket), inductor fuses it with the rest of the model and, on CUDA, runs it
-   under CUDA Graph trees; a new shape or a pruned rank is a new graph, hence a new recording.
+   plan's pairwise program for the rows' bucket (a symbolic batch is guarded to its bucket,
+   so one graph serves every batch size in it), inductor fuses it with the rest of the
+   model and, on CUDA, runs it under CUDA Graph trees; a new bucket or a pruned rank is a
+   new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): faster dropout there, and
    the same dropout masks as eager.
 """
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from comera_compile.compile.ops import CONTRACT, TENSORIZED_OPS
 from comera_compile.compile.options import BackendOptions, parse_options
+from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS
 
 _warned_plain = False
 
@@ -79,15 +79,37 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         gm.recompile()
     else:
         _warn_plain()
-    if not opts.inductor:
-        from torch._dynamo.backends.registry import lookup_backend
+    # the partitioner reads the activation budget while the graph is compiled, right here
+    with torch._functorch.config.patch(activation_memory_budget=opts.memory):
+        if not opts.inductor:
+            return _aot_eager(gm, example_inputs, low_memory=opts.memory < 1)
+        from torch._inductor.compile_fx import compile_fx
 
+        cuda = _on_cuda(example_inputs)
+        cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
+        config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
+        # On CPU, inductor's own dropout RNG is slower than aten's; aten's also matches eager.
+        config.setdefault("fallback_random", not cuda)
+        return compile_fx(gm, example_inputs, config_patches=config)
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], low_memory: bool):
+    """AOT autograd with eager kernels; with the min-cut partitioner (inductor's) when a
+    memory budget is set, so the budget shapes what backward recomputes here too."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    if not low_memory:
         return lookup_backend("aot_eager")(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    cuda = _on_cuda(example_inputs)
-    cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
-    config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
-    # On CPU, inductor's own dropout RNG is slower than aten's; aten's also matches eager.
-    config.setdefault("fallback_random", not cuda)
-    return compile_fx(gm, example_inputs, config_patches=config)
+    def run_as_is(graph: fx.GraphModule, _inputs):
+        return make_boxed_func(graph.forward)
+
+    compiler = aot_autograd(
+        fw_compiler=run_as_is,
+        bw_compiler=run_as_is,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return compiler(gm, example_inputs)

@@ -12,12 +12,15 @@ from comera_compile.compile.options import parse_options
 RECOMPILE_LIMIT = 64
 
 
-def compile_model(model: nn.Module, dynamic: bool = False, **options: Any) -> nn.Module:
-    """``torch.compile(model, backend="comera", dynamic=False, options=options)``.
+def compile_model(model: nn.Module, dynamic: bool | None = None, **options: Any) -> nn.Module:
+    """``torch.compile(model, backend="comera", dynamic=dynamic, options=options)``.
 
-    Static shapes by default: a plan is only right for its batch-size bucket, so each batch
-    size should get its own graph rather than one symbolic graph. Options are checked here,
-    before the first call, so a typo fails at once rather than on the first forward.
+    ``dynamic=None`` (torch's automatic dynamic shapes): the first batch size compiles a
+    static graph; when another one arrives, the batch dimension turns symbolic and the
+    tensorized ops guard it to its plan bucket (the next power of two of the rows), so there
+    is one graph per bucket, not one per batch size. Options are checked here, before the
+    first call, so a typo fails at once rather than on the first forward.
+    ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
     """

@@ -15,7 +15,12 @@ import torch._inductor.config as inductor_config
 
 from comera_compile.planner import parse_objective
 
-OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor")
+OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor", "memory")
+
+MEMORY_BUDGETS = {"default": 1.0, "low": 0.3}
+"""``memory`` settings as AOT autograd activation budgets: the fraction of the activations
+the forward may keep for backward; the partitioner recomputes the cheapest of the rest
+(pointwise ops and the small tensorized contractions) in backward instead."""
 
 
 @dataclass
@@ -23,12 +28,16 @@ class BackendOptions:
     """``cudagraphs``: run under CUDA Graph trees (None: on when the graph runs on CUDA).
     ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels; for
-    debugging a numerical difference). ``config``: inductor config patches."""
+    debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute cheap
+    activations in backward: several times less training memory for a little more time) or
+    a budget in ``(0, 1]``, the fraction of activations kept. ``config``: inductor config
+    patches."""
 
     cudagraphs: bool | None = None
     autotune: bool | None = None
     objective: str | None = None
     inductor: bool = True
+    memory: float = 1.0
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -40,6 +49,20 @@ def _flag(name: str, value: Any, allow_none: bool = True) -> bool | None:
     return value
 
 
+def parse_memory(memory: str | float) -> float:
+    """The activation budget of a ``memory`` setting (a name or a fraction in ``(0, 1]``)."""
+    if isinstance(memory, str):
+        if memory not in MEMORY_BUDGETS:
+            raise ValueError(
+                f"comera option 'memory' must be one of {list(MEMORY_BUDGETS)} or a fraction "
+                f"in (0, 1], got {memory!r}"
+            )
+        return MEMORY_BUDGETS[memory]
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1:
+        raise ValueError(f"comera option 'memory' as a number must lie in (0, 1], got {memory!r}")
+    return float(memory)
+
+
 def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> BackendOptions:
     """Validate ``options`` (and torch.compile's ``mode``) into :class:`BackendOptions`."""
     options = dict(options or {})
@@ -48,6 +71,7 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Ba
         autotune=_flag("autotune", options.pop("autotune", None)),
         inductor=bool(_flag("inductor", options.pop("inductor", True), allow_none=False)),
     )
+    out.memory = parse_memory(options.pop("memory", "default"))
     objective = options.pop("objective", None)
     if objective is not None:
         if not isinstance(objective, str):

@@ -6,11 +6,14 @@ removes it, as the method's reference does. On CPU there is no graph to record: 
 callable runs the forward + loss compiled with the ``comera`` backend, then backward and
 the optimizer step eagerly, so training code is the same on both.
 
-Recording needs fixed memory: the batch is copied into static buffers, gradients and the
-optimizer state live at fixed addresses (AdamW with ``capturable=True``) and parameter
-shapes must not change. Pruning ranks does change them, so every call compares the
-parameter shapes with the recorded ones and records again when they differ (or call
-``rerecord()``).
+Recording needs fixed memory: the batch is copied into static buffers on the parameters'
+device, gradients and the optimizer state live at fixed addresses (AdamW with
+``capturable=True``, ``lr`` a device tensor so LR schedulers keep acting) and parameter
+shapes must not change. Pruning ranks does change them, so every call compares a signature
+(batch layout, parameter shapes, dtypes and addresses, optimizer state tensors and
+hyperparameters) with the recorded one and records again when it differs (or call
+``rerecord()``). A compiled model is unwrapped first: its own CUDA Graph trees must not
+nest inside this graph.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Switch an optimizer that supports it to on-device step counters (no host sync)."""
+    """Switch an optimizer to on-device step counters and a tensor ``lr`` (no host sync).
+
+    A float ``lr`` would be baked into the recorded kernels and an LR scheduler would
+    silently stop acting; schedulers ``fill_`` a tensor ``lr`` in place, which the replayed
+    graph reads."""
     for group in optimizer.param_groups:
         if "capturable" not in group:
             raise ValueError(
@@ -34,6 +41,12 @@ def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
                 "with a 'capturable' option (Adam, AdamW, ...)"
             )
         group["capturable"] = True
+        device = group["params"][0].device
+        lr = group["lr"]
+        if not isinstance(lr, Tensor):
+            group["lr"] = torch.tensor(float(lr), device=device)
+        elif lr.device != device:
+            group["lr"] = lr.to(device)
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             step = state.get("step")
@@ -41,25 +54,82 @@ def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] = step.to(p.device)
 
 
+class _FirstValues(dict):
+    """An optimizer's per-parameter state that remembers the value each entry was born
+    with, so state created during warm-up can be put back to exactly that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.born: dict[str, Any] = {}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.born:
+            self.born[key] = value.clone() if isinstance(value, Tensor) else value
+        super().__setitem__(key, value)
+
+
 class _Snapshot:
-    """Parameters and optimizer state before warm-up, so warm-up steps leave no trace."""
+    """Parameters and optimizer state before warm-up, so warm-up steps leave no trace.
+
+    State that exists before warm-up is copied; state the optimizer creates during warm-up
+    (its first step) is restored to the values it was created with (zeros for Adam's
+    moments, but one for NAdam's ``mu_product`` and ``lr`` for ASGD's ``eta``)."""
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.params = [p.detach().clone() for p in params]
         self.state = {
-            p: {k: v.clone() for k, v in s.items() if isinstance(v, Tensor)}
+            p: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}
             for p, s in optimizer.state.items()
         }
+        for p in params:
+            if not optimizer.state.get(p):
+                optimizer.state[p] = _FirstValues()
 
     @torch.no_grad()
     def restore(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         for p, saved in zip(params, self.params):
             p.copy_(saved)
-        for p, state in optimizer.state.items():
-            saved = self.state.get(p, {})
+        for p in list(optimizer.state):
+            state = optimizer.state[p]
+            original = self.state.get(p)
+            if isinstance(state, _FirstValues):
+                original = {**state.born, **(original or {})}
+                state = optimizer.state[p] = dict(state)
+            if original is None:
+                continue
             for k, v in state.items():
-                if isinstance(v, Tensor):  # state born in warm-up goes back to "fresh": zeros
-                    v.copy_(saved[k]) if k in saved else v.zero_()
+                if k not in original:
+                    continue
+                if isinstance(v, Tensor):  # in place: the recorded graph holds the address
+                    v.copy_(original[k])
+                else:
+                    state[k] = original[k]
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple:
+    """The non-tensor settings of every group (betas, eps, weight decay, ...): the recorded
+    kernels bake them in, so changing one must record again."""
+    return tuple(
+        tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params" and not
+                     isinstance(v, Tensor)))
+        for g in optimizer.param_groups
+    )
+
+
+def _state_identity(optimizer: torch.optim.Optimizer) -> tuple:
+    """Which tensors hold the optimizer state (a loaded or sliced state is new memory)."""
+    return tuple(
+        (id(p), tuple((k, v.data_ptr()) for k, v in s.items() if isinstance(v, Tensor)))
+        for p, s in optimizer.state.items()
+    ) + tuple(
+        g["lr"].data_ptr() if isinstance(g["lr"], Tensor) else -1 for g in optimizer.param_groups
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (CUDA Graph trees of a compiled model
+    must not nest inside the captured step's graph)."""
+    return getattr(model, "_orig_mod", model)
 
 
 class TrainStep:
@@ -78,10 +148,12 @@ class TrainStep:
         warmup: int = 3,
         compile: bool | None = None,
     ) -> None:
+        model = unwrap(model)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        self.device = self.params[0].device
         self.cuda = self.params[0].is_cuda
         self.warmup = max(1, int(warmup))
         compile = (not self.cuda) if compile is None else compile
@@ -101,7 +173,7 @@ class TrainStep:
 
     def _compiled_forward(self) -> Callable[[Any], Tensor]:
         options = {"cudagraphs": False} if self.cuda else None  # the step graph records it all
-        return torch.compile(self._eager_forward, backend="comera", dynamic=False, options=options)
+        return torch.compile(self._eager_forward, backend="comera", options=options)
 
     # ----- the step ---------------------------------------------------------------------
     def __call__(self, batch: Any) -> Tensor:
@@ -127,14 +199,24 @@ class TrainStep:
 
     # ----- recording --------------------------------------------------------------------
     def _current_signature(self, flat: list[Any], spec) -> tuple:
+        """Everything the recording depends on; a difference records again. Reads no tensor
+        data (no host sync): shapes, dtypes, addresses and Python values only."""
         batch = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t for t in flat)
-        params = tuple(tuple(p.shape) for p in self.model.parameters())
-        return spec, batch, params
+        params = tuple(
+            (tuple(p.shape), p.dtype, p.data_ptr(), p.requires_grad)
+            for p in self.model.parameters()
+        )
+        optimizer = (_hyperparameters(self.optimizer), _state_identity(self.optimizer))
+        return spec, batch, params, optimizer
 
     def _record(self, batch: Any) -> None:
         self._graph = self._loss = None
+        _make_capturable(self.optimizer)  # again: someone may have set a float lr since
         flat, spec = tree_flatten(batch)
-        self._static = [t.detach().clone() if isinstance(t, Tensor) else t for t in flat]
+        # static inputs live where the parameters are, whatever device the batch came from
+        self._static = [
+            t.detach().to(self.device, copy=True) if isinstance(t, Tensor) else t for t in flat
+        ]
         self._spec = spec
         static_batch = tree_unflatten(self._static, spec)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -155,7 +237,7 @@ class TrainStep:
             loss.backward()
             self.optimizer.step()
         self._graph, self._loss = graph, loss.detach()
-        self._signature = self._current_signature(self._static, spec)
+        self._signature = self._current_signature(flat, spec)
         self.records += 1
 
 

@@ -9,10 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_compile.planner import PlanRecord, get_plan, next_power_of_two, plan_records_for
-
-traced_contraction = None
-"""Set by ``comera_compile.compile``: while torch.compile traces, the contraction goes through
-a custom op so that planning a new batch size never runs inside (and splits) the graph."""
+from comera_compile.planner.ops import planned_contract
 
 
 class PlannedLinearMixin:
@@ -71,12 +68,13 @@ class PlannedLinearMixin:
         key = (next_power_of_two(rows), dtype, device_type)
         plan = self._plans.get(key)
         if plan is None:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             plan = get_plan(
                 self._network(key[0]),
                 dtype=dtype,
                 device_type=device_type,
                 objective=self.objective,
-                autotune=self.autotune,
+                autotune=self.autotune and not capturing,  # timing would sync the host
             )
             self._plans[key] = plan
         return plan
@@ -100,8 +98,16 @@ class PlannedLinearMixin:
         lead = x.shape[:-1]
         x2 = self._pad_input(x.reshape(-1, self.in_features))
         rows = x2.shape[0]
-        if traced_contraction is not None and torch.compiler.is_compiling():
-            y = traced_contraction(self, x2.reshape(rows, *self.in_modes), self.network_cores())
+        if torch.compiler.is_compiling():  # one op: planning stays out of the graph
+            y = planned_contract(
+                x2.reshape(rows, *self.in_modes),
+                self.network_cores(),
+                self.format,
+                self.in_modes,
+                self.out_modes,
+                self.objective,
+                self.autotune,
+            )
             return self._finish(y, lead)
         plan = self.plan_for(rows, x.dtype, x.device.type)
         # the bias rides in the last matmul when the output needs no un-padding

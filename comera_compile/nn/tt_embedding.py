@@ -29,12 +29,9 @@ from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.planner import PlanRecord, embedding_plan, next_power_of_two, plan_records_for
+from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
-
-traced_lookup = None
-"""Set by ``comera_compile.compile``: while torch.compile traces, the lookup goes through a
-custom op so that planning a new id count never runs inside (and splits) the graph."""
 
 
 class TTEmbedding(TensorizedLayer):
@@ -109,8 +106,9 @@ class TTEmbedding(TensorizedLayer):
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table."""
-        if traced_lookup is not None and torch.compiler.is_compiling():
-            return traced_lookup(self, ids, self.gated_cores())[:, : self.embedding_dim]
+        if torch.compiler.is_compiling():  # one op: planning stays out of the graph
+            rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
+            return rows[:, : self.embedding_dim]
         rows = self.plan_for(ids.numel()).lookup(ids, self.gated_cores())
         return rows[:, : self.embedding_dim]
 

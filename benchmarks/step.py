@@ -1,0 +1,245 @@
+"""Training step time and training memory of the six-encoder: dense, GaLore and CoMERA.
+
+One child process per row (so no row inherits another's memory or compiled code):
+dense eager, dense + inductor, GaLore (``galore-torch``, rank 128, as its README sets it),
+CoMERA eager, CoMERA compiled (``backend="comera"``), CoMERA compiled + ``memory="low"``.
+A step is forward + cross-entropy + backward + optimizer step (AdamW, lr 1e-4, no weight
+decay; dropout 0.1, train mode). Step time is the median of ``--steps`` steps after
+``--warmup`` steps (compilation happens in the warm-up). Training memory is the peak RSS
+sampled during the timed steps minus the RSS of the process before the model is built (on
+CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps).
+
+    pip install galore-torch            # for the GaLore row (skipped when missing)
+    python benchmarks/step.py                       # batch 1 x 128 and 32 x 128
+    python benchmarks/step.py --batches 8 --rows comera-eager,comera-compiled
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROWS = (
+    "dense-eager",
+    "dense-inductor",
+    "galore",
+    "comera-eager",
+    "comera-compiled",
+    "comera-compiled-low",
+)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Samples the RSS in a thread every few milliseconds while active."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.period)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def galore_optimizer(model, lr: float):
+    """GaLore AdamW on the encoder's 2-d attention and FFN weights (rank 128, projection
+    refreshed every 200 steps, scale 0.25), plain AdamW groups for everything else."""
+    from galore_torch import GaLoreAdamW
+
+    galore = [
+        p for name, p in model.named_parameters()
+        if p.dim() == 2 and ".layers." in f".{name}" and ("attention" in name or "ffn" in name)
+    ]
+    ids = {id(p) for p in galore}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    groups = [
+        {"params": rest},
+        {"params": galore, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
+         "proj_type": "std"},
+    ]
+    return GaLoreAdamW(groups, lr=lr, weight_decay=0.0)
+
+
+def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int) -> dict:
+    """Build, warm up and time one row in this process; returns its measurements."""
+    import torch
+    import torch.nn.functional as F
+
+    from comera_compile.compile import compile_model
+    from comera_compile.models.six_encoder import (
+        SixEncoderClassifier,
+        SixEncoderConfig,
+        reference_tensorized,
+    )
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    config = SixEncoderConfig(layers=layers)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
+    labels = torch.randint(0, config.num_labels, (batch,), generator=g).to(device)
+    base = rss_bytes()
+    torch.manual_seed(0)
+    dense = row in ("dense-eager", "dense-inductor", "galore")
+    model = (SixEncoderClassifier(config) if dense else reference_tensorized(config))
+    model = model.to(device).train()
+    if row == "galore":
+        optimizer = galore_optimizer(model, 1e-4)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    forward = model
+    if row == "dense-inductor":
+        forward = torch.compile(model, backend="inductor")
+    elif row == "comera-compiled":
+        forward = compile_model(model)
+    elif row == "comera-compiled-low":
+        forward = compile_model(model, memory="low")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(forward(ids), labels).backward()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    warm = time.perf_counter() - start
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    with PeakRss() as peak:
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    memory = (
+        torch.cuda.max_memory_allocated() if device == "cuda" else peak.peak - base
+    )
+    return {
+        "row": row,
+        "batch": batch,
+        "ms": statistics.median(times) * 1e3,
+        "warmup_s": warm,
+        "memory_mb": memory / 2**20,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def child(args: argparse.Namespace, row: str, batch: int) -> dict | str:
+    """Run one row in a fresh interpreter; its result, or why it failed."""
+    cmd = [
+        sys.executable, __file__, "--child", row, "--batches", str(batch), "--seq",
+        str(args.seq), "--layers", str(args.layers), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--threads", str(args.threads),
+    ]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (done.stderr or done.stdout).strip().splitlines()
+    return tail[-1][:80] if tail else f"exit code {done.returncode}"
+
+
+def table(results: list[dict], batch: int) -> str:
+    mine = {r["row"]: r for r in results if r["batch"] == batch}
+    lines = [
+        f"batch {batch} x seq: {'row':20s} {'ms/step':>9s} {'memory MB':>10s} "
+        f"{'speed/dense':>11s} {'mem/dense':>9s} {'speed/GaLore':>12s} {'mem/GaLore':>10s}"
+    ]
+    dense, galore = mine.get("dense-eager"), mine.get("galore")
+
+    def ratio(ref, r, key):
+        return f"{ref[key] / r[key]:.2f}x" if ref and r[key] > 0 else "-"
+
+    for name in ROWS:
+        r = mine.get(name)
+        if r is None:
+            continue
+        lines.append(
+            f"{'':13s}{name:20s} {r['ms']:9.1f} {r['memory_mb']:10.1f} "
+            f"{ratio(dense, r, 'ms'):>11s} {ratio(dense, r, 'memory_mb'):>9s} "
+            f"{ratio(galore, r, 'ms'):>12s} {ratio(galore, r, 'memory_mb'):>10s}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        print(json.dumps(run_row(args.child, batches[0], args.seq, args.layers, args.steps,
+                                 args.warmup)))
+        return
+
+    from tqdm import tqdm
+
+    from comera_compile.machine import describe_machine
+
+    print(describe_machine())
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    print(
+        f"six-encoder, {args.layers} layers, seq {args.seq}; median of {args.steps} steps "
+        f"after {args.warmup} warm-up steps; one child process per row"
+    )
+    results = []
+    jobs = [(b, r) for b in batches for r in rows]
+    for batch, row in tqdm(jobs, desc="rows", file=sys.stderr):
+        out = child(args, row, batch)
+        if isinstance(out, str):
+            tqdm.write(f"  batch {batch} {row}: skipped ({out})", file=sys.stderr)
+            continue
+        results.append(out)
+        tqdm.write(
+            f"  batch {batch} {row}: {out['ms']:.1f} ms/step, {out['memory_mb']:.1f} MB "
+            f"(warm-up {out['warmup_s']:.0f} s)",
+            file=sys.stderr,
+        )
+    for batch in batches:
+        print(table(results, batch))
+
+
+if __name__ == "__main__":
+    main()

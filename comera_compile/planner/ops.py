@@ -1,0 +1,137 @@
+"""Planned contractions as ``torch.library`` ops: what a layer calls while torch.compile traces.
+
+While dynamo traces a layer's forward, planning (a cotengra search the first time a shape
+is seen) must not be traced: it is Python the tracer cannot follow and would split the
+graph. So a compiling layer calls :func:`planned_contract` / :func:`planned_lookup`, which
+wrap one ``comera::`` op each. Dynamo records one opaque node per layer (the ``comera``
+backend finds and tunes them there); AOT autograd then decomposes the op's
+``CompositeImplicitAutograd`` body into plain aten ops (permute, reshape, bmm), which
+inductor fuses and differentiates like any other code.
+
+Shapes: the body looks its plan up by the *bucket* of the row count (the next power of
+two), never by the exact count. With a symbolic (dynamic) batch dimension the bucket is
+found by comparisons, each of which becomes a shape guard, so one graph serves every row
+count of its bucket and a new graph is compiled only when a batch leaves it.
+
+These live in the planner, below the layers, so the layers call them directly: nothing
+above patches anything below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .cache import get_plan
+from .embedding import embedding_plan
+from .networks import tt_linear_network, ttm_linear_network
+
+_NETWORKS = {"tt": tt_linear_network, "ttm": ttm_linear_network}
+
+_lib = torch.library.Library("comera", "DEF")
+_lib.define(
+    "tt_contract(Tensor x, Tensor[] cores, str kind, int[] in_modes, int[] out_modes, "
+    "str objective, bool autotune) -> Tensor"
+)
+_lib.define("tt_lookup(Tensor ids, Tensor[] cores, int[] row_modes, int[] col_modes) -> Tensor")
+
+CONTRACT = torch.ops.comera.tt_contract.default
+LOOKUP = torch.ops.comera.tt_lookup.default
+TENSORIZED_OPS = (CONTRACT, LOOKUP)
+
+_plans: dict[tuple, Any] = {}
+
+
+def traced_plans() -> dict[tuple, Any]:
+    """Plans the ops looked up while compiling, keyed by ``(kind, modes, ranks, bucket,
+    dtype, device type, objective)``; a view for tests and reports."""
+    return dict(_plans)
+
+
+def row_bucket(rows: int | torch.SymInt) -> int:
+    """The smallest power of two >= ``rows`` (1 for ``rows <= 1``).
+
+    A symbolic ``rows`` is compared, never converted: each comparison guards the graph to
+    the bucket (``rows > 256`` and ``rows <= 512``, say) instead of to one exact size."""
+    bucket = 1
+    while rows > bucket:
+        bucket *= 2
+    return bucket
+
+
+def _bond_ranks(cores: Sequence[Tensor]) -> list[int]:
+    """``[1, r_1, .., 1]`` from the cores' right bonds (a pruned layer plans at its new ranks)."""
+    return [1, *(int(c.shape[-1]) for c in cores[:-1]), 1]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def _real_tensors():
+    """Leave fake-tensor and proxy tracing for a moment: autotuning times real kernels."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+def _tt_contract(x, cores, kind, in_modes, out_modes, objective, autotune):
+    bucket = row_bucket(x.shape[0])
+    ranks = _bond_ranks(cores)
+    network = _NETWORKS[kind](tuple(in_modes), tuple(out_modes), ranks, bucket)
+    autotune = bool(autotune) and not _capturing()  # timing would sync inside a capture
+    context = _real_tensors() if autotune else contextlib.nullcontext()
+    with context:
+        plan = get_plan(
+            network,
+            dtype=x.dtype,
+            device_type=x.device.type,
+            objective=objective,
+            autotune=autotune,
+        )
+    key = (kind, tuple(in_modes), tuple(out_modes), tuple(ranks), bucket)
+    _plans[(*key, x.dtype, x.device.type, objective)] = plan
+    return plan.execute(x, *cores)
+
+
+def _tt_lookup(ids, cores, row_modes, col_modes):
+    bucket = row_bucket(ids.shape[0])
+    ranks = _bond_ranks(cores)
+    plan = embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket)
+    key = ("tt_embedding", tuple(row_modes), tuple(col_modes), tuple(ranks), bucket)
+    _plans[(*key, cores[0].dtype, ids.device.type, plan.objective)] = plan
+    return plan.lookup(ids, cores)
+
+
+_lib.impl("tt_contract", _tt_contract, "CompositeImplicitAutograd")
+_lib.impl("tt_lookup", _tt_lookup, "CompositeImplicitAutograd")
+
+
+def planned_contract(
+    x: Tensor,
+    cores: Sequence[Tensor],
+    kind: str,
+    in_modes: Sequence[int],
+    out_modes: Sequence[int],
+    objective: str = "combo",
+    autotune: bool = False,
+) -> Tensor:
+    """``x (rows, *in_modes)`` contracted with a TT (``kind="tt"``) or TTM (``"ttm"``) chain
+    through the plan of the rows' bucket, as one traceable op."""
+    return CONTRACT(
+        x, list(cores), kind, list(in_modes), list(out_modes), objective, bool(autotune)
+    )
+
+
+def planned_lookup(
+    ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int]
+) -> Tensor:
+    """Rows of a TTM embedding table for 1-d ``ids``, as one traceable op."""
+    return LOOKUP(ids, list(cores), list(row_modes), list(col_modes))
