@@ -153,7 +153,9 @@ def test_caller_model_is_untouched_and_capture_paths_reported():
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert not any(isinstance(m, TensorizedLayer) for m in model.modules())
         assert cc.summary(result).capture_path == path
-    assert isinstance(cc.optimize(MLP(), 0.3, compile=False), torch.fx.GraphModule)
+    result = cc.optimize(MLP(), 0.3, compile=False)
+    assert type(result) is MLP
+    assert isinstance(cc.to_graph_module(result), torch.fx.GraphModule)
     reason = cc.summary(
         cc.optimize(bert(), 0.3, example_inputs=ids(2000), compile=False)
     ).capture_reason

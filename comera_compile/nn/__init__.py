@@ -11,7 +11,11 @@ from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
 from comera_compile.nn.ttm_linear import TTMLinear
 
+LEAF_MODULES = (TensorizedLayer,)
+"""Modules a graph capture keeps whole: their forward picks a plan per batch size."""
+
 __all__ = [
+    "LEAF_MODULES",
     "DEFAULT_THRESHOLD",
     "LayoutMismatchError",
     "PruneResult",

@@ -31,6 +31,7 @@ class OptimizeReport:
     before: dict[str, int | None] = field(default_factory=dict)  # params, bytes, macs
     originals: dict[str, dict[str, Any]] = field(default_factory=dict)  # per swapped layer
     skipped: dict[str, str] = field(default_factory=dict)
+    returned: str = ""  # which form optimize returned, and why
 
 
 def live_spec(layer: TensorizedLayer) -> LayerSpec:
@@ -80,6 +81,7 @@ class Summary:
     capture_path: str | None = None
     capture_reason: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    returned: str = ""
 
     @property
     def compression(self) -> float:
@@ -104,6 +106,8 @@ class Summary:
         lines = []
         if self.capture_path:
             lines.append(f"capture: {self.capture_path} ({self.capture_reason})")
+        if self.returned:
+            lines.append(f"returned: {self.returned}")
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
@@ -138,6 +142,7 @@ def summary(model: nn.Module) -> Summary:
         report.capture_path if report else None,
         report.capture_reason if report else None,
         dict(report.skipped) if report else {},
+        report.returned if report else "",
     )
 
 
