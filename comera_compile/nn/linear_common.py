@@ -37,6 +37,7 @@ class PlannedLinearMixin:
             "out_features": self.out_features,
             "in_modes": list(self.in_modes),
             "out_modes": list(self.out_modes),
+            "bias": self.bias is not None,
         }
 
     def _init_bias(self, bias: bool, device, dtype) -> None:

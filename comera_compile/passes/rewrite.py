@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from comera_compile.nn import TensorizedLayer, TTEmbedding, TTLinear, TTMLinear
-from comera_compile.passes.candidates import CONV1D, EMBEDDING_BAG, Candidate
-from comera_compile.passes.specs import TT, TTM, LayerSpec
+from comera_compile.passes.candidates import CONV1D, EMBEDDING_BAG, Candidate, is_hf_conv1d
+from comera_compile.passes.specs import TT, TT_EMBEDDING, TTM, LayerSpec
 
 INITS = ("random", "dense")
 
@@ -99,6 +99,79 @@ def _fix_fused_transformers(model: nn.Module) -> None:
 def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, new)
+
+
+def names_of(model: nn.Module, module: nn.Module) -> list[str]:
+    """Every qualified name under which ``module`` sits in ``model``."""
+    return [n for n, m in model.named_modules(remove_duplicate=False) if m is module]
+
+
+def _dense_features(module: nn.Module) -> tuple[str, int, int] | None:
+    """``(kind, in, out)`` of a dense layer a saved tensorized layer may replace."""
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features, module.out_features
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return "embedding", module.num_embeddings, module.embedding_dim
+    if is_hf_conv1d(module):
+        return "linear", module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def layer_from_layout(name: str, layout: dict, dense: nn.Module) -> TensorizedLayer:
+    """An uninitialised layer of the saved ``layout`` in place of ``dense`` (same device and
+    dtype); its values come from the checkpoint that held the layout."""
+    found = _dense_features(dense)
+    fmt = layout.get("format")
+    if fmt == TT_EMBEDDING:
+        wanted = ("embedding", layout["num_embeddings"], layout["embedding_dim"])
+    elif fmt in (TT, TTM):
+        wanted = ("linear", layout["in_features"], layout["out_features"])
+    else:
+        raise ValueError(f"checkpoint layer '{name}' has an unknown format {fmt!r}")
+    if found != wanted:
+        what = type(dense).__name__ if found is None else f"{found[0]} {found[1:]}"
+        raise ValueError(
+            f"checkpoint tensorized '{name}' as a {wanted[0]} {wanted[1:]} ({fmt}), but the "
+            f"model has {what} there; pass a model built with the configuration that was saved"
+        )
+    weight = dense.weight
+    kwargs = dict(ranks=layout["ranks"][1:-1], threshold=layout.get("threshold", 0.01),
+                  device="meta", dtype=weight.dtype)
+    if fmt == TT_EMBEDDING:
+        layer = TTEmbedding(
+            wanted[1], wanted[2], padding_idx=dense.padding_idx,
+            mode=getattr(dense, "mode", None) if isinstance(dense, nn.EmbeddingBag) else None,
+            row_modes=layout["row_modes"], col_modes=layout["col_modes"], **kwargs,
+        )
+    else:
+        cls = TTLinear if fmt == TT else TTMLinear
+        bias = layout.get("bias", getattr(dense, "bias", None) is not None)
+        layer = cls(wanted[1], wanted[2], in_modes=layout["in_modes"],
+                    out_modes=layout["out_modes"], bias=bias, **kwargs)
+    layer = layer.to_empty(device=weight.device if not weight.is_meta else "cpu")
+    layer.train(dense.training)
+    return layer
+
+
+def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
+    """Re-apply a saved rewrite: put an empty layer of each saved layout where the dense
+    layer is (under all its names). Layers already tensorized are resized to the saved
+    ranks (a layer of other modes raises ``LayoutMismatchError`` naming both layouts)."""
+    for name, layout in layouts.items():
+        try:
+            current = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"checkpoint has a tensorized layer '{name}' that the model lacks; pass a "
+                "model built with the configuration that was saved"
+            ) from None
+        if isinstance(current, TensorizedLayer):
+            current._adopt_layout(layout)
+            continue
+        layer = layer_from_layout(name, layout, current)
+        for alias in names_of(model, current):
+            set_module(model, alias, layer)
+    _fix_fused_transformers(model)
 
 
 def rewrite(
