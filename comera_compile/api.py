@@ -25,6 +25,7 @@ from comera_compile.passes import (
     select_layers,
     summary,
 )
+from comera_compile.passes.attention import restore_untouched, split_attention
 from comera_compile.passes.capture import MODULES, exact_graph_module
 from comera_compile.passes.report import REPORT_ATTR, record_original
 from comera_compile.passes.rewrite import INITS
@@ -95,6 +96,7 @@ def optimize(
     _check_arguments(model, init, format, max_rank, objective)
     budget = parse_budget(budget)
     work = model if inplace else copy.deepcopy(model)
+    attentions = split_attention(work)
     captured = capture(work, example_inputs)
     target = work
     candidates = find_candidates(target)
@@ -127,6 +129,7 @@ def optimize(
         max_rank,
     )
     selection = select_layers(options, skipped, budget, before, max_rank)
+    restore_untouched(target, attentions, selection.chosen, selection.skipped)
     rewrite(target, selection.chosen, init)
     for name in selection.chosen:
         layer = target.get_submodule(name)

@@ -1,5 +1,6 @@
 """Tensorized layers: cores + rank gates, forward through a planned contraction."""
 
+from comera_compile.nn.attention import SplitMultiheadAttention
 from comera_compile.nn.base import (
     LayoutMismatchError,
     PruneResult,
@@ -11,7 +12,7 @@ from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
 from comera_compile.nn.ttm_linear import TTMLinear
 
-LEAF_MODULES = (TensorizedLayer,)
+LEAF_MODULES = (TensorizedLayer, SplitMultiheadAttention)
 """Modules a graph capture keeps whole: their forward picks a plan per batch size."""
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "DEFAULT_THRESHOLD",
     "LayoutMismatchError",
     "PruneResult",
+    "SplitMultiheadAttention",
     "TTEmbedding",
     "TTLinear",
     "TTMLinear",

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from comera_compile.nn import TensorizedLayer, TTEmbedding, TTLinear, TTMLinear
+from comera_compile.nn import (
+    SplitMultiheadAttention,
+    TensorizedLayer,
+    TTEmbedding,
+    TTLinear,
+    TTMLinear,
+)
+from comera_compile.nn.attention import SPLIT_ATTENTION
 from comera_compile.passes.candidates import CONV1D, EMBEDDING_BAG, Candidate, is_hf_conv1d
 from comera_compile.passes.specs import TT, TT_EMBEDDING, TTM, LayerSpec
 
@@ -92,7 +99,8 @@ def _fix_fused_transformers(model: nn.Module) -> None:
                     child.register_forward_pre_hook(_skip_fused_path)
         if isinstance(module, nn.TransformerEncoder):
             layer = module.layers[0]
-            if any(isinstance(m, TensorizedLayer) for m in layer.modules()):
+            if any(isinstance(m, (TensorizedLayer, SplitMultiheadAttention))
+                   for m in layer.modules()):
                 module.use_nested_tensor = False
 
 
@@ -157,7 +165,8 @@ def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
     """Re-apply a saved rewrite: put an empty layer of each saved layout where the dense
     layer is (under all its names). Layers already tensorized are resized to the saved
     ranks (a layer of other modes raises ``LayoutMismatchError`` naming both layouts)."""
-    for name, layout in layouts.items():
+    order = {SPLIT_ATTENTION: 0}  # an attention is split before its projections are swapped
+    for name, layout in sorted(layouts.items(), key=lambda kv: order.get(kv[1]["format"], 1)):
         try:
             current = model.get_submodule(name)
         except AttributeError:
@@ -165,10 +174,18 @@ def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
                 f"checkpoint has a tensorized layer '{name}' that the model lacks; pass a "
                 "model built with the configuration that was saved"
             ) from None
-        if isinstance(current, TensorizedLayer):
-            current._adopt_layout(layout)
+        if isinstance(current, (TensorizedLayer, SplitMultiheadAttention)):
+            if isinstance(current, TensorizedLayer):
+                current._adopt_layout(layout)
             continue
-        layer = layer_from_layout(name, layout, current)
+        if layout["format"] == SPLIT_ATTENTION:
+            if not isinstance(current, nn.MultiheadAttention):
+                raise ValueError(f"checkpoint has an attention at '{name}' where the model has "
+                                 f"{type(current).__name__}; pass a model built with the "
+                                 "configuration that was saved")
+            layer = SplitMultiheadAttention(current)
+        else:
+            layer = layer_from_layout(name, layout, current)
         for alias in names_of(model, current):
             set_module(model, alias, layer)
     _fix_fused_transformers(model)
