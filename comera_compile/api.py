@@ -60,6 +60,19 @@ def _check_arguments(model, init, format, max_rank, objective) -> None:
     parse_objective(objective)
 
 
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dtypes(candidates) -> None:
+    for cand in candidates:
+        if cand.weight.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"'{cand.name}' has {cand.weight.dtype} weights; tensorized layers train "
+                f"floating-point cores ({', '.join(str(d) for d in FLOAT_DTYPES)}): optimize "
+                "the model before quantizing it, or cast it (model.float()) first"
+            )
+
+
 def optimize(
     model: nn.Module,
     budget: float | int | str | Budget | None = None,
@@ -100,6 +113,7 @@ def optimize(
     captured = capture(work, example_inputs)
     target = work
     candidates = find_candidates(target)
+    _check_dtypes(candidates)
     if not candidates:
         kinds = sorted({type(m).__name__ for m in target.modules() if m is not target})
         raise ValueError(

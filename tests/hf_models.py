@@ -18,7 +18,7 @@ def _text(cls, config_cls, **config):
         return cls(config_cls(vocab_size=VOCAB, **config))
 
     x = ids()
-    return build, {"input_ids": x}, lambda out: out.logits.float().square().mean()
+    return build, {"input_ids": x}, lambda logits: logits.float().square().mean()
 
 
 def bert():
@@ -56,7 +56,7 @@ def t5():
             decoder_start_token_id=0))
 
     inputs = {"input_ids": ids(), "decoder_input_ids": ids((2, 6), seed=1)}
-    return build, inputs, lambda out: out.logits.float().square().mean()
+    return build, inputs, lambda logits: logits.float().square().mean()
 
 
 def vit():
@@ -66,7 +66,7 @@ def vit():
             image_size=32, patch_size=8, num_labels=3))
 
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    return build, {"pixel_values": pixels}, lambda out: out.logits.float().square().mean()
+    return build, {"pixel_values": pixels}, lambda logits: logits.float().square().mean()
 
 
 HF_MODELS = {"bert": bert, "roberta": roberta, "gpt2": gpt2, "llama": llama, "qwen2": qwen2,

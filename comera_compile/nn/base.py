@@ -22,6 +22,21 @@ class LayoutMismatchError(ValueError):
     """A state dict was saved from a layer whose modes (not just ranks) differ."""
 
 
+def gate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gates stay float32 in a bf16 / fp16 model: near 1.0 a bf16 gate cannot take a 1e-3
+    optimizer step (it rounds away) and its threshold test would be coarse."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def output_dtype(x: Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` returns for input ``x``: the autocast dtype inside an enabled
+    ``torch.autocast`` region, else the input's own."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def encode_layout(layout: dict[str, Any]) -> Tensor:
     """A layout as a uint8 tensor of its JSON text: extra state that safetensors (and so
     ``save_pretrained``) can store, and that runs no code when read back."""
@@ -86,11 +101,22 @@ class TensorizedLayer(nn.Module):
         self.threshold = float(threshold)
         self.cores = nn.ParameterList(nn.Parameter(c) for c in cores)
         self.gates = nn.ParameterList(
-            nn.Parameter(torch.ones(c.shape[-1], dtype=c.dtype, device=c.device))
+            nn.Parameter(torch.ones(c.shape[-1], dtype=gate_dtype(c.dtype), device=c.device))
             for c in cores[:-1]
         )
         self.objective = "combo"
         self._plans: dict[Any, Any] = {}
+
+    def _apply(self, fn, recurse=True):
+        """``.to(torch.bfloat16)`` / ``.half()`` cast the cores; gates go back to float32."""
+        super()._apply(fn, recurse)
+        for gate in self.gates:
+            wanted = gate_dtype(gate.dtype)
+            if gate.is_floating_point() and gate.dtype != wanted:
+                gate.data = gate.data.to(wanted)
+                if gate.grad is not None:
+                    gate.grad = gate.grad.to(wanted)
+        return self
 
     # ----- shape of the chain -------------------------------------------------------------
     @property

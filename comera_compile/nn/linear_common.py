@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_compile.nn.base import next_power_of_two
+from comera_compile.nn.base import next_power_of_two, output_dtype
 from comera_compile.planner import PlanRecord, get_plan, plan_records_for
 
 traced_contraction = None
@@ -65,7 +65,7 @@ class PlannedLinearMixin:
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None and not bias_added:
-            y = y + self.bias
+            y = y + self.bias.to(y.dtype)  # a float32 bias must not promote a bf16 output
         return y.reshape(*lead, self.out_features)
 
     def plan_for(self, rows: int, dtype: torch.dtype, device_type: str):
@@ -102,13 +102,14 @@ class PlannedLinearMixin:
         lead = x.shape[:-1]
         x2 = self._pad_input(x.reshape(-1, self.in_features))
         rows = x2.shape[0]
+        dtype = output_dtype(x)  # as nn.Linear: the autocast dtype for every plan and size
         if traced_contraction is not None and torch.compiler.is_compiling():
             y = traced_contraction(self, x2.reshape(rows, *self.in_modes), self.network_cores())
-            return self._finish(y, lead)
+            return self._finish(y, lead).to(dtype)
         plan = self.plan_for(rows, x.dtype, x.device.type)
         # the bias rides in the last matmul when the output needs no un-padding
         bias = self.bias if self.padded_out == self.out_features else None
         if bias is not None:
             bias = bias.view(self.out_modes)
         y = plan.execute(x2.reshape(rows, *self.in_modes), *self.network_cores(), bias=bias)
-        return self._finish(y, lead, bias_added=bias is not None)
+        return self._finish(y, lead, bias_added=bias is not None).to(dtype)
