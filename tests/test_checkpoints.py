@@ -18,8 +18,8 @@ import comera_compile as cc
 from comera_compile.io import CheckpointError
 from comera_compile.nn import TensorizedLayer
 
-BUDGETS = {"bert": 0.5, "roberta": 0.5, "gpt2": 0.5, "llama": 0.5, "qwen2": 0.1, "t5": 0.3,
-           "vit": 0.2}
+BUDGETS = {"bert": 0.05, "roberta": 0.05, "gpt2": 0.05, "llama": 0.05, "qwen2": 0.1,
+           "t5": 0.05, "vit": 0.2}
 
 
 def n_params(model):

@@ -8,11 +8,12 @@ from comera_compile.nn.base import (
     tensorized_layers,
 )
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.tied_head import TiedEmbeddingHead
 from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
 from comera_compile.nn.ttm_linear import TTMLinear
 
-LEAF_MODULES = (TensorizedLayer, SplitMultiheadAttention)
+LEAF_MODULES = (TensorizedLayer, SplitMultiheadAttention, TiedEmbeddingHead)
 """Modules a graph capture keeps whole: their forward picks a plan per batch size."""
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "PruneResult",
     "SplitMultiheadAttention",
     "TTEmbedding",
+    "TiedEmbeddingHead",
     "TTLinear",
     "TTMLinear",
     "TensorizedLayer",

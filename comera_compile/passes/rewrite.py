@@ -13,11 +13,13 @@ from torch import nn
 from comera_compile.nn import (
     SplitMultiheadAttention,
     TensorizedLayer,
+    TiedEmbeddingHead,
     TTEmbedding,
     TTLinear,
     TTMLinear,
 )
 from comera_compile.nn.attention import SPLIT_ATTENTION
+from comera_compile.nn.tied_head import TIED_HEAD
 from comera_compile.passes.candidates import CONV1D, EMBEDDING_BAG, Candidate, is_hf_conv1d
 from comera_compile.passes.specs import TT, TT_EMBEDDING, TTM, LayerSpec
 
@@ -109,6 +111,16 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), attr, new)
 
 
+def tie_head(model: nn.Module, head_name: str, embedding: TTEmbedding, tied_to: str) -> None:
+    """Replace the Linear at ``head_name`` (tied to the embedding's weight) with a head on the
+    tensorized embedding's cores; its bias (shared or not) is kept as it is."""
+    dense = model.get_submodule(head_name)
+    head = TiedEmbeddingHead(embedding, tied_to, dense.bias)
+    head.train(dense.training)
+    for alias in names_of(model, dense):
+        set_module(model, alias, head)
+
+
 def names_of(model: nn.Module, module: nn.Module) -> list[str]:
     """Every qualified name under which ``module`` sits in ``model``."""
     return [n for n, m in model.named_modules(remove_duplicate=False) if m is module]
@@ -165,7 +177,7 @@ def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
     """Re-apply a saved rewrite: put an empty layer of each saved layout where the dense
     layer is (under all its names). Layers already tensorized are resized to the saved
     ranks (a layer of other modes raises ``LayoutMismatchError`` naming both layouts)."""
-    order = {SPLIT_ATTENTION: 0}  # an attention is split before its projections are swapped
+    order = {SPLIT_ATTENTION: 0, TIED_HEAD: 2}  # attention split first, heads tied last
     for name, layout in sorted(layouts.items(), key=lambda kv: order.get(kv[1]["format"], 1)):
         try:
             current = model.get_submodule(name)
@@ -174,9 +186,17 @@ def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
                 f"checkpoint has a tensorized layer '{name}' that the model lacks; pass a "
                 "model built with the configuration that was saved"
             ) from None
-        if isinstance(current, (TensorizedLayer, SplitMultiheadAttention)):
+        if isinstance(current, (TensorizedLayer, SplitMultiheadAttention, TiedEmbeddingHead)):
             if isinstance(current, TensorizedLayer):
                 current._adopt_layout(layout)
+            continue
+        if layout["format"] == TIED_HEAD:
+            embedding = model.get_submodule(layout["embedding"])
+            if not isinstance(current, nn.Linear) or not isinstance(embedding, TTEmbedding):
+                raise ValueError(f"checkpoint ties '{name}' to the embedding "
+                                 f"'{layout['embedding']}', which this model cannot; pass a "
+                                 "model built with the configuration that was saved")
+            tie_head(model, name, embedding, layout["embedding"])
             continue
         if layout["format"] == SPLIT_ATTENTION:
             if not isinstance(current, nn.MultiheadAttention):
@@ -186,8 +206,11 @@ def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
             layer = SplitMultiheadAttention(current)
         else:
             layer = layer_from_layout(name, layout, current)
-        for alias in names_of(model, current):
-            set_module(model, alias, layer)
+        same = [m for m in model.modules() if m is current or (
+            type(m) is nn.Embedding and m.weight is getattr(current, "weight", None))]
+        for module in same:  # embeddings sharing one table (T5) stay one layer
+            for alias in names_of(model, module):
+                set_module(model, alias, layer)
     _fix_fused_transformers(model)
 
 
@@ -202,6 +225,8 @@ def rewrite(
         layer.train(cand.module.training)
         for alias in (name, *cand.aliases):
             set_module(model, alias, layer)
+        for head_name in cand.tied_heads:
+            tie_head(model, head_name, layer, name)
     _fix_fused_transformers(model)
     if isinstance(model, torch.fx.GraphModule):
         model.recompile()
