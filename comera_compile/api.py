@@ -27,6 +27,7 @@ from comera_compile.passes import (
 )
 from comera_compile.passes.attention import restore_untouched, split_attention
 from comera_compile.passes.capture import MODULES, exact_graph_module
+from comera_compile.passes.materialize import materialize, on_meta
 from comera_compile.passes.report import REPORT_ATTR, record_original
 from comera_compile.passes.rewrite import INITS
 from comera_compile.passes.specs import LINEAR_FORMATS
@@ -89,6 +90,7 @@ def optimize(
     autotune: bool = False,
     inplace: bool = False,
     objective: str = "combo",
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
     """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` to meet ``budget``.
 
@@ -105,6 +107,10 @@ def optimize(
     (compiled on the first call, once per batch size and per rank change); ``compile=False``
     returns the eager module. ``autotune=True`` times the best few contraction orders of
     each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
+    A model built under ``torch.device("meta")`` (too big to build dense) takes
+    ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
+    layers left dense, buffers) is allocated there, so no dense weight of a swapped layer
+    ever exists.
     """
     _check_arguments(model, init, format, max_rank, objective)
     budget = parse_budget(budget)
@@ -144,7 +150,9 @@ def optimize(
     )
     selection = select_layers(options, skipped, budget, before, max_rank)
     restore_untouched(target, attentions, selection.chosen, selection.skipped)
-    rewrite(target, selection.chosen, init)
+    rewrite(target, selection.chosen, init, device)
+    if on_meta(target):
+        materialize(target, device)
     for name in selection.chosen:
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective

@@ -64,12 +64,24 @@ def _as_linear(cand: Candidate) -> nn.Linear:
     return linear
 
 
-def build_layer(cand: Candidate, spec: LayerSpec, init: str = "random") -> TensorizedLayer:
-    """The layer ``spec`` describes: random cores, or a TT-SVD of the current weights."""
+def build_layer(
+    cand: Candidate, spec: LayerSpec, init: str = "random", device: torch.device | str = "cpu"
+) -> TensorizedLayer:
+    """The layer ``spec`` describes: random cores, or a TT-SVD of the current weights.
+
+    A layer on the meta device gets its cores on ``device`` (its dense weight never exists).
+    """
     ranks = list(spec.ranks)
+    meta = cand.weight.is_meta
+    if meta and init != "random":
+        raise ValueError(
+            f"'{cand.name}' is on the meta device, so there is no weight to decompose with "
+            "init='dense'; use init='random' (train from scratch) or build the model for real"
+        )
     if init == "random":
-        layer = new_layer(cand, spec.format, ranks, spec.in_modes, spec.out_modes)
-        if cand.bias:  # keep the trained (or initialised) bias: it costs nothing to keep
+        layer = new_layer(cand, spec.format, ranks, spec.in_modes, spec.out_modes,
+                          device=device if meta else None)
+        if cand.bias and not meta:  # keep the trained (or initialised) bias: it costs nothing
             layer.bias.data.copy_(cand.module.bias.detach())
         return layer
     if init != "dense":
@@ -119,6 +131,26 @@ def tie_head(model: nn.Module, head_name: str, embedding: TTEmbedding, tied_to: 
     head.train(dense.training)
     for alias in names_of(model, dense):
         set_module(model, alias, head)
+
+
+def declare_shared_to_hf(model: nn.Module) -> None:
+    """Tell a Hugging Face model which of its parameter names are one tensor (a tensorized
+    table under several names, as T5's shared embedding), so ``save_pretrained`` writes it
+    once instead of refusing the shared tensors."""
+    if not hasattr(type(model), "_tied_weights_keys"):
+        return
+    tied = dict(getattr(model, "_tied_weights_keys", None) or {})
+    seen: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not isinstance(module, TensorizedLayer):
+            continue
+        if id(module) not in seen:
+            seen[id(module)] = name
+            continue
+        for key, _ in module.named_parameters():
+            tied[f"{name}.{key}"] = f"{seen[id(module)]}.{key}"
+    if len(tied) > len(getattr(model, "_tied_weights_keys", None) or {}):
+        model._tied_weights_keys = tied
 
 
 def names_of(model: nn.Module, module: nn.Module) -> list[str]:
@@ -212,22 +244,28 @@ def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
             for alias in names_of(model, module):
                 set_module(model, alias, layer)
     _fix_fused_transformers(model)
+    declare_shared_to_hf(model)
 
 
 def rewrite(
-    model: nn.Module, chosen: dict[str, tuple[Candidate, LayerSpec]], init: str = "random"
+    model: nn.Module,
+    chosen: dict[str, tuple[Candidate, LayerSpec]],
+    init: str = "random",
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """Swap every chosen layer (under each of its names) in place and return ``model``."""
+    """Swap every chosen layer (under each of its names) in place and return ``model``.
+    Layers of a model on the meta device get their cores on ``device``."""
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     for name, (cand, spec) in chosen.items():
-        layer = build_layer(cand, spec, init)
+        layer = build_layer(cand, spec, init, device)
         layer.train(cand.module.training)
         for alias in (name, *cand.aliases):
             set_module(model, alias, layer)
         for head_name in cand.tied_heads:
             tie_head(model, head_name, layer, name)
     _fix_fused_transformers(model)
+    declare_shared_to_hf(model)
     if isinstance(model, torch.fx.GraphModule):
         model.recompile()
     return model
