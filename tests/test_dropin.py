@@ -63,3 +63,39 @@ def test_graph_module_where_exact_shares_parameters():
     with torch.no_grad():
         assert torch.equal(graph(x), result(x))
         assert torch.equal(graph(x), graph(x))
+
+
+def test_meta_model_materializes_only_cores():
+    """A model built on the meta device: optimize(init="random") allocates the cores and the
+    small remaining tensors, never a dense weight of a swapped layer."""
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class LargestTensor(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    self.most = max(self.most, t.numel())
+            return out
+
+    config = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    with LargestTensor() as watch:
+        result = cc.optimize(model, 0.1, compile=False)
+    assert watch.most < 4096 * 64 / 8  # the embedding and head tables are 4096 x 64
+    assert not any(t.is_meta for t in (*result.parameters(), *result.buffers()))
+    reference = transformers.LlamaForCausalLM(config)
+    torch.testing.assert_close(result.model.rotary_emb.inv_freq,
+                               reference.model.rotary_emb.inv_freq)
+    with torch.no_grad():
+        logits = result(torch.randint(0, 4096, (2, 7))).logits
+    assert logits.shape == (2, 7, 4096) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="meta device.*init='random'"):
+        cc.optimize(model, 0.1, init="dense", compile=False)
