@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from comera_compile.nn import TTLinear, TTMLinear
+from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -39,3 +39,11 @@ def test_autocast_output_dtype_matches_linear_for_every_batch_size(cls, bias):
             got, want = layer(x), dense(x)
         assert got.dtype == want.dtype == torch.bfloat16, rows
         assert layer(x).dtype == torch.float32
+
+
+def test_autocast_embedding_dtype_matches_nn_embedding():
+    torch.manual_seed(0)
+    layer, dense = TTEmbedding(1000, 64, ranks=8), nn.Embedding(1000, 64)
+    ids = torch.randint(0, 1000, (4, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(ids).dtype == dense(ids).dtype == torch.float32
