@@ -1,7 +1,16 @@
 """comera_compile: train PyTorch models directly in tensor-train compressed form (CoMERA)."""
 
 from comera_compile import training
-from comera_compile.api import Budget, Summary, load, optimize, plans, save, summary
+from comera_compile.api import (
+    Budget,
+    Summary,
+    load,
+    optimize,
+    plans,
+    save,
+    summary,
+    to_graph_module,
+)
 from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
 
 __version__ = "0.1.0"
@@ -17,6 +26,7 @@ __all__ = [
     "plans",
     "save",
     "summary",
+    "to_graph_module",
     "training",
     "__version__",
 ]

@@ -25,13 +25,17 @@ from comera_compile.passes import (
     select_layers,
     summary,
 )
-from comera_compile.passes.capture import MODULES
+from comera_compile.passes.attention import restore_untouched, split_attention
+from comera_compile.passes.capture import MODULES, exact_graph_module
+from comera_compile.passes.materialize import materialize, on_meta
 from comera_compile.passes.report import REPORT_ATTR, record_original
 from comera_compile.passes.rewrite import INITS
 from comera_compile.passes.specs import LINEAR_FORMATS
 from comera_compile.planner import PlanReport, parse_objective
 
-__all__ = ["Budget", "Summary", "load", "optimize", "plans", "save", "summary"]
+__all__ = [
+    "Budget", "Summary", "load", "optimize", "plans", "save", "summary", "to_graph_module"
+]
 
 
 def _totals(model: nn.Module, macs: int | None) -> dict[str, int | None]:
@@ -57,6 +61,19 @@ def _check_arguments(model, init, format, max_rank, objective) -> None:
     parse_objective(objective)
 
 
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dtypes(candidates) -> None:
+    for cand in candidates:
+        if cand.weight.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"'{cand.name}' has {cand.weight.dtype} weights; tensorized layers train "
+                f"floating-point cores ({', '.join(str(d) for d in FLOAT_DTYPES)}): optimize "
+                "the model before quantizing it, or cast it (model.float()) first"
+            )
+
+
 def optimize(
     model: nn.Module,
     budget: float | int | str | Budget | None = None,
@@ -74,11 +91,15 @@ def optimize(
     inplace: bool = False,
     objective: str = "combo",
     memory: str | float = "default",
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
     """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` to meet ``budget``.
 
-    Returns a new module (a ``torch.fx.GraphModule`` when the model traces) and leaves
-    ``model`` untouched unless ``inplace=True`` (which swaps layers in ``model`` itself).
+    Returns a copy of ``model`` of the same class, with the chosen layers swapped for
+    tensorized ones: its methods, attributes, ``isinstance`` and ``train()`` / ``eval()`` all
+    hold. ``model`` is left untouched unless ``inplace=True`` (layers swapped in ``model``
+    itself). The fx graph is only how the passes read the forward; ``to_graph_module(result)``
+    returns a ``torch.fx.GraphModule`` where one is exact (the summary says whether).
     ``example_inputs`` (a tensor, a tuple, or a dict of keyword inputs) lets the passes see
     the forward: layers it never calls stay dense, and flops budgets become possible.
     ``init="dense"`` starts from a TT-SVD of the current weights (for pretrained models);
@@ -89,18 +110,21 @@ def optimize(
     each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
     ``memory="low"`` (compiled models) recomputes cheap activations in backward: several
     times less training memory for a few percent more step time.
+    A model built under ``torch.device("meta")`` (too big to build dense) takes
+    ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
+    layers left dense, buffers) is allocated there, so no dense weight of a swapped layer
+    ever exists.
     """
     _check_arguments(model, init, format, max_rank, objective)
     if memory != "default" and not compile:
         raise ValueError(f"memory={memory!r} acts while compiling; pass compile=True")
     budget = parse_budget(budget)
     work = model if inplace else copy.deepcopy(model)
-    if inplace:  # a GraphModule would be a new object: swap modules in the model itself
-        captured = capture(work, example_inputs, allow_fx=False)
-    else:
-        captured = capture(work, example_inputs)
-    target = captured.model
+    attentions = split_attention(work)
+    captured = capture(work, example_inputs)
+    target = work
     candidates = find_candidates(target)
+    _check_dtypes(candidates)
     if not candidates:
         kinds = sorted({type(m).__name__ for m in target.modules() if m is not target})
         raise ValueError(
@@ -130,7 +154,10 @@ def optimize(
         max_rank,
     )
     selection = select_layers(options, skipped, budget, before, max_rank)
-    rewrite(target, selection.chosen, init)
+    restore_untouched(target, attentions, selection.chosen, selection.skipped)
+    rewrite(target, selection.chosen, init, device)
+    if on_meta(target):
+        materialize(target, device)
     for name in selection.chosen:
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective
@@ -143,6 +170,7 @@ def optimize(
         before,
         {name: record_original(cand) for name, (cand, _) in selection.chosen.items()},
         selection.skipped,
+        _returned(target, captured.graph_exact),
     )
     setattr(target, REPORT_ATTR, report)
     if not compile:
@@ -150,6 +178,27 @@ def optimize(
     from comera_compile.compile import compile_model  # imports inductor: only when asked
 
     return compile_model(target, memory=memory)
+
+
+def _returned(model: nn.Module, graph_exact: str) -> str:
+    """What the summary says about the returned module's form."""
+    what = f"{type(model).__name__}, the model's own class with the chosen layers swapped"
+    if graph_exact:
+        return f"{what} (a torch.fx GraphModule would not be exact: {graph_exact})"
+    return f"{what} (a GraphModule is exact for this model: comera_compile.to_graph_module)"
+
+
+def to_graph_module(model: nn.Module) -> torch.fx.GraphModule:
+    """The model as a ``torch.fx.GraphModule`` (tensorized layers kept as leaf modules), for
+    graph passes of your own. Refused where the graph would not be exact: a forward that
+    reads ``self.training`` or has optional arguments, or one that does not trace. The
+    GraphModule shares the model's submodules and parameters."""
+    model = getattr(model, "_orig_mod", model)
+    graph_module, why_not = exact_graph_module(model)
+    if graph_module is None:
+        raise ValueError(f"no exact GraphModule for {type(model).__name__}: {why_not}; use "
+                         "the module optimize returned (it behaves the same in every mode)")
+    return graph_module
 
 
 def plans(

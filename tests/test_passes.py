@@ -124,7 +124,7 @@ def test_shared_module_swapped_under_every_name():
         inplace=True,
         compile=False,
     )
-    assert result is model and cc.summary(model).capture_path == "export"
+    assert result is model and cc.summary(model).capture_path == "fx"
     assert isinstance(model.proj, TTLinear) and model.shared is model.proj
     assert model.head.weight is model.embed.weight  # tie kept, both dense
     report = cc.summary(model)

@@ -1,5 +1,6 @@
 """Tensorized layers: cores + rank gates, forward through a planned contraction."""
 
+from comera_compile.nn.attention import SplitMultiheadAttention
 from comera_compile.nn.base import (
     LayoutMismatchError,
     PruneResult,
@@ -7,15 +8,22 @@ from comera_compile.nn.base import (
     tensorized_layers,
 )
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.tied_head import TiedEmbeddingHead
 from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
 from comera_compile.nn.ttm_linear import TTMLinear
 
+LEAF_MODULES = (TensorizedLayer, SplitMultiheadAttention, TiedEmbeddingHead)
+"""Modules a graph capture keeps whole: their forward picks a plan per batch size."""
+
 __all__ = [
+    "LEAF_MODULES",
     "DEFAULT_THRESHOLD",
     "LayoutMismatchError",
     "PruneResult",
+    "SplitMultiheadAttention",
     "TTEmbedding",
+    "TiedEmbeddingHead",
     "TTLinear",
     "TTMLinear",
     "TensorizedLayer",

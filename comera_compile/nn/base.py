@@ -7,6 +7,7 @@ subclasses only say how the chain is laid out (TT, TTM) and how the input meets 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,35 @@ from comera_compile.nn.gates import DEFAULT_THRESHOLD, alive, fold_gates
 
 class LayoutMismatchError(ValueError):
     """A state dict was saved from a layer whose modes (not just ranks) differ."""
+
+
+def gate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gates stay float32 in a bf16 / fp16 model: near 1.0 a bf16 gate cannot take a 1e-3
+    optimizer step (it rounds away) and its threshold test would be coarse."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def output_dtype(x: Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` returns for input ``x``: the autocast dtype inside an enabled
+    ``torch.autocast`` region, else the input's own."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def encode_layout(layout: dict[str, Any]) -> Tensor:
+    """A layout as a uint8 tensor of its JSON text: extra state that safetensors (and so
+    ``save_pretrained``) can store, and that runs no code when read back."""
+    data = json.dumps(layout, sort_keys=True).encode()
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def decode_layout(value: Any) -> dict[str, Any]:
+    """The layout ``encode_layout`` wrote (a plain dict passes through)."""
+    if isinstance(value, dict):
+        return value
+    return json.loads(bytes(value.detach().cpu().to(torch.uint8).tolist()).decode())
 
 
 @dataclass
@@ -80,11 +110,22 @@ class TensorizedLayer(nn.Module):
         self.threshold = float(threshold)
         self.cores = nn.ParameterList(nn.Parameter(c) for c in cores)
         self.gates = nn.ParameterList(
-            nn.Parameter(torch.ones(c.shape[-1], dtype=c.dtype, device=c.device))
+            nn.Parameter(torch.ones(c.shape[-1], dtype=gate_dtype(c.dtype), device=c.device))
             for c in cores[:-1]
         )
         self.objective = "combo"
         self._plans: dict[Any, Any] = {}
+
+    def _apply(self, fn, recurse=True):
+        """``.to(torch.bfloat16)`` / ``.half()`` cast the cores; gates go back to float32."""
+        super()._apply(fn, recurse)
+        for gate in self.gates:
+            wanted = gate_dtype(gate.dtype)
+            if gate.is_floating_point() and gate.dtype != wanted:
+                gate.data = gate.data.to(wanted)
+                if gate.grad is not None:
+                    gate.grad = gate.grad.to(wanted)
+        return self
 
     # ----- shape of the chain -------------------------------------------------------------
     @property
@@ -111,6 +152,18 @@ class TensorizedLayer(nn.Module):
     def dense_parameters(self) -> int:
         """Parameters of the dense weight this layer replaces (bias excluded)."""
         raise NotImplementedError
+
+    @property
+    def weight(self) -> Tensor:
+        """A meta tensor with the dense weight's shape and the cores' dtype: code that only
+        inspects ``layer.weight.dtype`` or ``.shape`` (Hugging Face T5 casts its input to
+        ``wo.weight.dtype``) keeps working, while any arithmetic on it fails loudly. The dense
+        weight is never built here; ``to_dense()`` builds it on purpose."""
+        if hasattr(self, "in_features"):
+            shape = (self.out_features, self.in_features)
+        else:
+            shape = (self.num_embeddings, self.embedding_dim)
+        return torch.empty(shape, dtype=self.cores[0].dtype, device="meta")
 
     def compression_ratio(self) -> float:
         """Dense weight size over the core size at the effective ranks (gates excluded)."""
@@ -175,18 +228,18 @@ class TensorizedLayer(nn.Module):
         """What defines the layer's shape; saved with the weights."""
         return {"format": self.format, "ranks": self.ranks, "threshold": self.threshold}
 
-    def get_extra_state(self) -> dict[str, Any]:
-        return self.layout()
+    def get_extra_state(self) -> Tensor:
+        return encode_layout(self.layout())
 
-    def set_extra_state(self, state: dict[str, Any]) -> None:
-        self.threshold = float(state.get("threshold", self.threshold))
+    def set_extra_state(self, state: Any) -> None:
+        self.threshold = float(decode_layout(state).get("threshold", self.threshold))
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
         saved = state_dict.get(prefix + "_extra_state")
         if saved is not None:
-            self._adopt_layout(saved)
+            self._adopt_layout(decode_layout(saved))
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
         )

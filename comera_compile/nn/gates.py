@@ -25,12 +25,13 @@ def fold_gates(cores: Sequence[Tensor], gates: Sequence[Tensor], threshold: floa
     """Scale the right bond of core ``k`` by gate ``k`` so the chain needs no extra operands.
 
     Folding costs one elementwise product on each (small) core and keeps the contraction
-    network the same for every layer kind: only the cores go to the planner.
+    network the same for every layer kind: only the cores go to the planner. Gates may be
+    float32 in a bf16 model; the product takes the core's dtype.
     """
     folded = []
     for k, core in enumerate(cores):
         if k < len(gates):
-            core = core * hard_threshold(gates[k], threshold)
+            core = core * hard_threshold(gates[k], threshold).to(core.dtype)
         folded.append(core)
     return folded
 

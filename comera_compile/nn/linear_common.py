@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from comera_compile.nn.base import output_dtype
 from comera_compile.planner import PlanRecord, get_plan, next_power_of_two, plan_records_for
 from comera_compile.planner.ops import planned_contract
 
@@ -33,6 +34,7 @@ class PlannedLinearMixin:
             "out_features": self.out_features,
             "in_modes": list(self.in_modes),
             "out_modes": list(self.out_modes),
+            "bias": self.bias is not None,
         }
 
     def _init_bias(self, bias: bool, device, dtype) -> None:
@@ -60,7 +62,7 @@ class PlannedLinearMixin:
         if self.padded_out != self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None and not bias_added:
-            y = y + self.bias
+            y = y + self.bias.to(y.dtype)  # a float32 bias must not promote a bf16 output
         return y.reshape(*lead, self.out_features)
 
     def plan_for(self, rows: int, dtype: torch.dtype, device_type: str):
@@ -98,6 +100,7 @@ class PlannedLinearMixin:
         lead = x.shape[:-1]
         x2 = self._pad_input(x.reshape(-1, self.in_features))
         rows = x2.shape[0]
+        dtype = output_dtype(x)  # as nn.Linear: the autocast dtype for every plan and size
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
             y = planned_contract(
                 x2.reshape(rows, *self.in_modes),
@@ -108,11 +111,11 @@ class PlannedLinearMixin:
                 self.objective,
                 self.autotune,
             )
-            return self._finish(y, lead)
+            return self._finish(y, lead).to(dtype)
         plan = self.plan_for(rows, x.dtype, x.device.type)
         # the bias rides in the last matmul when the output needs no un-padding
         bias = self.bias if self.padded_out == self.out_features else None
         if bias is not None:
             bias = bias.view(self.out_modes)
         y = plan.execute(x2.reshape(rows, *self.in_modes), *self.network_cores(), bias=bias)
-        return self._finish(y, lead, bias_added=bias is not None)
+        return self._finish(y, lead, bias_added=bias is not None).to(dtype)

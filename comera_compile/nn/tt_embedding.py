@@ -132,7 +132,7 @@ class TTEmbedding(TensorizedLayer):
             ids, index = torch.unique(flat, return_inverse=True)
         else:
             ids, index = flat, torch.arange(flat.numel(), device=flat.device)
-        table = self.lookup(ids)
+        table = self.lookup(ids).to(self.cores[0].dtype)  # as nn.Embedding, even in autocast
         padding = None
         if self.padding_idx is not None:  # point padding positions at an extra zero row
             padding = table.shape[0]

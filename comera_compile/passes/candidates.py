@@ -50,6 +50,7 @@ class Candidate:
     out_features: int  # embedding_dim for embeddings
     aliases: list[str] = field(default_factory=list)  # other names of the same module
     skip: str | None = None  # why it must stay dense, whatever the user asks
+    tied_heads: list[str] = field(default_factory=list)  # Linear layers sharing its weight
 
     @property
     def is_embedding(self) -> bool:
@@ -99,6 +100,30 @@ def _unsupported(module: nn.Module, kind: str) -> str | None:
     return None
 
 
+def _same_table(module: nn.Module, other: nn.Module) -> bool:
+    """Another ``nn.Embedding`` holding this embedding's very weight (T5's shared table)."""
+    return (type(other) is nn.Embedding and other.weight is module.weight
+            and other.padding_idx == module.padding_idx)
+
+
+def _tied_group(module: nn.Module, kind: str, tied: list[str], by_name: dict):
+    """``(embeddings, heads)`` sharing this embedding's weight, or None when the tie is of
+    another sort: the other embeddings are swapped with it, the Linear heads read its cores."""
+    if kind != EMBEDDING or not tied:
+        return None
+    embeddings = [t for t in tied if _same_table(module, by_name[t])]
+    heads = [t for t in tied if isinstance(by_name[t], nn.Linear)
+             and by_name[t].weight is module.weight]
+    return (embeddings, heads) if len(embeddings) + len(heads) == len(tied) else None
+
+
+def _tied_embedding(module: nn.Module, tied: list[str], by_name: dict) -> str | None:
+    """The embedding whose weight this Linear shares, if any."""
+    return next((t for t in tied if type(by_name[t]) is nn.Embedding
+                 and isinstance(module, nn.Linear) and by_name[t].weight is module.weight),
+                None)
+
+
 def find_candidates(model: nn.Module) -> list[Candidate]:
     """Every Linear-like and embedding layer, each module once, in definition order."""
     names: dict[int, list[str]] = {}
@@ -116,6 +141,8 @@ def find_candidates(model: nn.Module) -> list[Candidate]:
         if isinstance(module, nn.MultiheadAttention)
         for child in module.children()
     }
+    by_name = {names[key][0]: module for key, module in modules.items()}
+    order = {name: i for i, name in enumerate(by_name)}
     found = []
     for key, module in modules.items():
         kind = layer_kind(module)
@@ -129,7 +156,22 @@ def find_candidates(model: nn.Module) -> list[Candidate]:
             for other in owners[id(p)]
             if other != name
         )
-        if tied:
+        group = _tied_group(module, kind, tied, by_name)
+        embedding = _tied_embedding(module, tied, by_name)
+        if group is not None and any(order[e] < order[name] for e in group[0]):
+            first = min(group[0], key=order.__getitem__)
+            cand.skip = f"the same table as '{first}': swapped together with it"
+        elif group is not None:
+            for other in group[0]:
+                cand.aliases += names[id(by_name[other])]
+            cand.tied_heads = group[1]
+            cand.skip = _unsupported(module, kind)
+        elif embedding is not None:
+            cand.skip = (
+                f"weight tied with the embedding '{embedding}': if that is tensorized, this "
+                "head computes its logits from the same cores"
+            )
+        elif tied:
             cand.skip = (
                 f"weight tied with {', '.join(repr(t) for t in tied)}; both kept dense so the "
                 "tie is not split"

@@ -1,10 +1,16 @@
 """Capture: get a graph of the model's forward to learn which layers it really calls.
 
-``torch.fx.symbolic_trace`` gives a ``GraphModule`` we can rewrite in place. Many models do
-not trace (Hugging Face models since transformers 5 removed its fx tracer, data-dependent
-Python control flow), and a forward with optional arguments traces into a graph that freezes
-their branches; for those the graph comes from ``torch.export`` (non-strict) and is used for
-analysis only: the rewrite swaps modules in the model so it keeps its Python forward.
+The graph is for analysis only: the rewrite swaps modules in (a copy of) the user's model, so
+the result keeps its class, methods, attributes and Python forward, and ``train()`` /
+``eval()`` reach every branch. ``torch.fx.symbolic_trace`` is tried first. Many models do not
+trace (Hugging Face models since transformers 5 removed its fx tracer, data-dependent Python
+control flow), and a forward with optional arguments traces into a graph that freezes their
+branches; for those the graph comes from ``torch.export`` (non-strict).
+
+A traced ``GraphModule`` is an exact stand-in only when its graph is the same in training
+and in eval mode (a forward that reads ``self.training``, as ``F.dropout(x, p,
+self.training)`` does, bakes the mode in) and the forward has no optional arguments;
+``exact_graph_module`` builds one only then.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_compile.nn import LEAF_MODULES
 from comera_compile.passes.inputs import as_call, quiet_eval
 
 FX, EXPORT, MODULES = "fx", "export", "modules"
@@ -29,6 +36,7 @@ class Capture:
     path: str  # "fx", "export" or "modules"
     reason: str  # why this path was taken
     called: set[str] | None  # qualified names of modules the forward runs; None = unknown
+    graph_exact: str = "not traced"  # "" when a GraphModule is exact, else why it is not
 
 
 def shorten(exc: BaseException, limit: int = 160) -> str:
@@ -52,10 +60,41 @@ def _with_descendants(model: nn.Module, names: set[str]) -> set[str]:
     return called
 
 
+class LeafTracer(torch.fx.Tracer):
+    """fx's tracer, with our layers (and anything holding our layers' plans) kept as leaves:
+    their forward picks a contraction plan per batch size, which a graph must not freeze."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, LEAF_MODULES) or super().is_leaf_module(m, qualname)
+
+
+def _trace(model: nn.Module) -> torch.fx.GraphModule:
+    tracer = LeafTracer()
+    graph = tracer.trace(model)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _mode_dependence(model: nn.Module, graph_module: torch.fx.GraphModule) -> str:
+    """"" if tracing in the other mode gives the same graph, else why the graph is not exact."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.train(not model.training)
+        other = _trace(model)
+    except Exception as exc:
+        return f"tracing in the other mode failed ({shorten(exc)})"
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    if other.code != graph_module.code:
+        return ("the forward reads self.training (the traced graph differs between train() "
+                "and eval()), so a GraphModule would freeze the mode it was traced in")
+    return ""
+
+
 def trace_fx(model: nn.Module) -> tuple[torch.fx.GraphModule | None, str]:
     """``(graph_module, "")`` or ``(None, why not)``."""
     try:
-        graph_module = torch.fx.symbolic_trace(model)
+        graph_module = _trace(model)
     except Exception as exc:  # any tracing failure sends us down the next path
         return None, f"torch.fx.symbolic_trace failed ({shorten(exc)})"
     optional = _optional_arguments(model)
@@ -105,23 +144,28 @@ def export_called(model: nn.Module, example_inputs: Any) -> set[str]:
     return called
 
 
-def capture(model: nn.Module, example_inputs: Any = None, allow_fx: bool = True) -> Capture:
-    """fx if the model traces; else torch.export for analysis; else a walk of its modules.
+def exact_graph_module(model: nn.Module) -> tuple[torch.fx.GraphModule | None, str]:
+    """``(graph_module, "")`` when a traced GraphModule behaves as ``model`` in every mode,
+    else ``(None, why not)``. The GraphModule shares ``model``'s submodules and parameters."""
+    graph_module, why_not = trace_fx(model)
+    if graph_module is None:
+        return None, why_not
+    why_not = _mode_dependence(model, graph_module)
+    return (None, why_not) if why_not else (graph_module, "")
 
-    ``allow_fx=False`` keeps the model's own object (rewriting in place needs it).
-    """
-    if allow_fx:
-        graph_module, why_not_fx = trace_fx(model)
-    else:
-        graph_module, why_not_fx = None, "in place: layers are swapped in the model itself"
+
+def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
+    """fx if the model traces; else torch.export; else a walk of its modules."""
+    graph_module, why_not_fx = trace_fx(model)
     if graph_module is not None:
         targets = {n.target for n in graph_module.graph.nodes if n.op == "call_module"}
         called = _with_descendants(graph_module, targets)
-        return Capture(graph_module, FX, "torch.fx.symbolic_trace succeeded", called)
+        return Capture(graph_module, FX, "torch.fx.symbolic_trace succeeded", called,
+                       _mode_dependence(model, graph_module))
     if example_inputs is None:
         return Capture(
             model, MODULES, f"{why_not_fx}; no example_inputs to export with, so layers were "
-            "found by walking named_modules()", None
+            "found by walking named_modules()", None, why_not_fx
         )
     try:
         called = export_called(model, example_inputs)
@@ -129,6 +173,7 @@ def capture(model: nn.Module, example_inputs: Any = None, allow_fx: bool = True)
         return Capture(
             model, MODULES,
             f"{why_not_fx}; torch.export failed too ({shorten(exc)}); layers were found by "
-            "walking named_modules()", None,
+            "walking named_modules()", None, why_not_fx,
         )
-    return Capture(model, EXPORT, f"{why_not_fx}; graph from torch.export (non-strict)", called)
+    return Capture(model, EXPORT, f"{why_not_fx}; graph from torch.export (non-strict)", called,
+                   why_not_fx)

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from comera_compile.nn import TensorizedLayer, TTEmbedding
+from comera_compile.nn import TensorizedLayer, TiedEmbeddingHead, TTEmbedding
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
 from comera_compile.tables import text_table
@@ -32,6 +32,7 @@ class OptimizeReport:
     before: dict[str, int | None] = field(default_factory=dict)  # params, bytes, macs
     originals: dict[str, dict[str, Any]] = field(default_factory=dict)  # per swapped layer
     skipped: dict[str, str] = field(default_factory=dict)
+    returned: str = ""  # which form optimize returned, and why
 
 
 def live_spec(layer: TensorizedLayer) -> LayerSpec:
@@ -81,6 +82,8 @@ class Summary:
     capture_path: str | None = None
     capture_reason: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    returned: str = ""
+    tied: dict[str, str] = field(default_factory=dict)  # head name -> embedding it reads
 
     @property
     def compression(self) -> float:
@@ -104,11 +107,16 @@ class Summary:
         lines = []
         if self.capture_path:
             lines.append(f"capture: {self.capture_path} ({self.capture_reason})")
+        if self.returned:
+            lines.append(f"returned: {self.returned}")
         lines.append(text_table(header, rows))
         lines.append(
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
             f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized"
         )
+        for head, embedding in self.tied.items():
+            lines.append(f"tied: {head} computes its logits from the cores of {embedding} "
+                         "(no weight of its own)")
         if self.skipped:
             lines.append(f"left dense ({len(self.skipped)}):")
             lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
@@ -116,6 +124,15 @@ class Summary:
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _swapped(model: nn.Module, name: str) -> bool:
+    """True when a layer the report left dense was swapped anyway (a tied head or table)."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        return False
+    return isinstance(module, (TensorizedLayer, TiedEmbeddingHead))
 
 
 def summary(model: nn.Module) -> Summary:
@@ -129,6 +146,8 @@ def summary(model: nn.Module) -> Summary:
         if isinstance(module, TensorizedLayer)
     ]
     after = sum(p.numel() for p in model.parameters())
+    skipped = {k: v for k, v in (report.skipped if report else {}).items()
+               if not _swapped(model, k)}
     if report and report.before.get("params"):
         before = report.before["params"]
     else:
@@ -137,7 +156,9 @@ def summary(model: nn.Module) -> Summary:
         records, before, after,
         report.capture_path if report else None,
         report.capture_reason if report else None,
-        dict(report.skipped) if report else {},
+        skipped,
+        report.returned if report else "",
+        {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
     )
 
 
