@@ -26,9 +26,10 @@ from comera_compile.passes import (
     summary,
 )
 from comera_compile.passes.capture import MODULES
-from comera_compile.passes.report import REPORT_ATTR, record_original
+from comera_compile.passes.report import REPORT_ATTR, layer_records
 from comera_compile.passes.rewrite import INITS
 from comera_compile.passes.specs import LINEAR_FORMATS
+from comera_compile.passes.spectra import output_weights
 from comera_compile.planner import PlanReport, parse_objective
 
 __all__ = ["Budget", "Summary", "load", "optimize", "plans", "save", "summary"]
@@ -124,11 +125,15 @@ def optimize(
         format,
         max_rank,
     )
-    selection = select_layers(options, skipped, budget, before, max_rank)
+    weights = None
+    if init == "dense" and example_inputs is not None and budget is not None:
+        weights = output_weights(target, example_inputs, [o.cand for o in options])
+    selection = select_layers(options, skipped, budget, before, max_rank, init, weights)
     rewrite(target, selection.chosen, init)
     for name in selection.chosen:
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective
+    originals = layer_records(target, selection, init)
     report = OptimizeReport(
         captured.path,
         captured.reason,
@@ -136,7 +141,7 @@ def optimize(
         selection.rank,
         init,
         before,
-        {name: record_original(cand) for name, (cand, _) in selection.chosen.items()},
+        originals,
         selection.skipped,
     )
     setattr(target, REPORT_ATTR, report)
