@@ -209,8 +209,7 @@ def _unreachable(budget: Budget, before: dict, smallest: dict, limits: dict) -> 
         parts.append(f"{smallest['macs']:,} multiply-adds")
     return ValueError(
         f"no choice of layers meets {budget}: smallest reachable: {', '.join(parts)} with every "
-        "eligible layer at rank 1 (or dense where that is smaller); raise the budget or include "
-        "more layers"
+        "eligible layer at rank 1; raise the budget or include more layers"
     )
 
 

@@ -1,6 +1,7 @@
 """Rank-adaptive training (CoMERA): penalty, two stages, pruning with optimizer state,
 history and plots. Pieces that drop into a plain PyTorch training loop."""
 
+from comera_compile.training.distill import distill, distill_loss
 from comera_compile.training.groups import param_groups
 from comera_compile.training.history import History
 from comera_compile.training.penalty import (
@@ -30,6 +31,8 @@ __all__ = [
     "Plateau",
     "RankAdaptiveTrainer",
     "core_l2",
+    "distill",
+    "distill_loss",
     "effective_ranks",
     "keep_min_rank",
     "late_stage_loss",
