@@ -28,9 +28,10 @@ from comera_compile.passes import (
 from comera_compile.passes.attention import restore_untouched, split_attention
 from comera_compile.passes.capture import MODULES, exact_graph_module
 from comera_compile.passes.materialize import materialize, on_meta
-from comera_compile.passes.report import REPORT_ATTR, record_original
+from comera_compile.passes.report import REPORT_ATTR, layer_records
 from comera_compile.passes.rewrite import INITS
 from comera_compile.passes.specs import LINEAR_FORMATS
+from comera_compile.passes.spectra import output_weights
 from comera_compile.planner import PlanReport, parse_objective
 
 __all__ = [
@@ -153,7 +154,10 @@ def optimize(
         format,
         max_rank,
     )
-    selection = select_layers(options, skipped, budget, before, max_rank)
+    weights = None
+    if init == "dense" and example_inputs is not None and budget is not None:
+        weights = output_weights(target, example_inputs, [o.cand for o in options])
+    selection = select_layers(options, skipped, budget, before, max_rank, init, weights)
     restore_untouched(target, attentions, selection.chosen, selection.skipped)
     rewrite(target, selection.chosen, init, device)
     if on_meta(target):
@@ -161,6 +165,7 @@ def optimize(
     for name in selection.chosen:
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective
+    originals = layer_records(target, selection, init)
     report = OptimizeReport(
         captured.path,
         captured.reason,
@@ -168,7 +173,7 @@ def optimize(
         selection.rank,
         init,
         before,
-        {name: record_original(cand) for name, (cand, _) in selection.chosen.items()},
+        originals,
         selection.skipped,
         _returned(target, captured.graph_exact),
     )

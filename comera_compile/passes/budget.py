@@ -28,14 +28,15 @@ class Budget:
     """Limits the optimized model must meet; every limit given must hold.
 
     params: total parameter count. bytes: total parameter bytes (int, or "20MB").
-    flops: forward multiply-adds at the example input shape (needs example_inputs).
+    flops: forward multiply-adds at the example input shape (needs example_inputs); a float
+    in (0, 1] is a share of the dense model's (0.5 -> half the multiply-adds).
     ratio: original parameters / new parameters must be at least this (40 -> 40x smaller).
     fraction: new parameters / original parameters at most this (0.05 -> 5%).
     """
 
     params: int | None = None
     bytes: int | str | None = None
-    flops: int | None = None
+    flops: int | float | None = None
     ratio: float | None = None
     fraction: float | None = None
 
@@ -66,7 +67,8 @@ class Budget:
             if macs is None:
                 raise ValueError("a flops budget needs example_inputs: multiply-adds depend "
                                  "on the input shape")
-            caps["macs"] = self.flops
+            share = isinstance(self.flops, float) and self.flops <= 1
+            caps["macs"] = self.flops * macs if share else self.flops
         return caps
 
     def __str__(self) -> str:

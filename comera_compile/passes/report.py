@@ -7,6 +7,7 @@ training and pruning. Any model holding our layers can be summarised, report or 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 from comera_compile.nn import TensorizedLayer, TiedEmbeddingHead, TTEmbedding
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
+from comera_compile.passes.spectra import relative_error
 from comera_compile.tables import text_table
 
 REPORT_ATTR = "_comera_report"
@@ -69,6 +71,8 @@ def _layer_record(name: str, layer: TensorizedLayer, original: dict[str, Any] | 
         "compression": original["params"] / after,
         "macs_per_row_before": original["macs_per_row"],
         "macs_per_row_after": spec.macs_per_row(),
+        "error": original.get("error"),  # relative, measured when built from dense weights
+        "budget_share": original.get("budget_share"),
     }
 
 
@@ -91,7 +95,7 @@ class Summary:
 
     def __str__(self) -> str:
         header = ("layer", "original", "format", "modes", "ranks (effective)",
-                  "params", "MACs/row")
+                  "params", "MACs/row", "budget", "error")
         rows = []
         for r in self.records:
             sep = " x " if r["format"] == "tt_embedding" else " -> "
@@ -103,6 +107,8 @@ class Summary:
                 f"{r['in_modes']}{sep}{r['out_modes']}", ranks,
                 f"{r['params_before']:,} -> {r['params_after']:,} ({r['compression']:.1f}x)",
                 f"{r['macs_per_row_before']:,} -> {r['macs_per_row_after']:,}",
+                "" if r.get("budget_share") is None else f"{r['budget_share']:.1%}",
+                "" if r.get("error") is None else f"{r['error']:.3f}",
             ))
         lines = []
         if self.capture_path:
@@ -160,6 +166,30 @@ def summary(model: nn.Module) -> Summary:
         report.returned if report else "",
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
     )
+
+
+ERROR_WARNING = 0.5  # relative reconstruction error above which optimize warns
+
+
+def layer_records(model: nn.Module, selection: Any, init: str) -> dict[str, dict[str, Any]]:
+    """Per swapped layer: the original, the share of the budget it holds and, for
+    ``init="dense"``, the measured relative reconstruction error; warns above 0.5."""
+    records = {}
+    for name, (cand, _) in selection.chosen.items():
+        record = record_original(cand)
+        if name in selection.shares:
+            record["budget_share"] = selection.shares[name]
+        if init == "dense":
+            record["error"] = relative_error(cand, model.get_submodule(name))
+            if record["error"] > ERROR_WARNING:
+                warnings.warn(
+                    f"layer '{name}' keeps only a rough copy of its pretrained weights "
+                    f"(relative error {record['error']:.2f}); raise the budget, exclude the "
+                    "layer, or recover with comera_compile.training.distill",
+                    stacklevel=3,
+                )
+        records[name] = record
+    return records
 
 
 def record_original(cand: Candidate) -> dict[str, Any]:

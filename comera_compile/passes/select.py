@@ -1,22 +1,32 @@
-"""Select: which layers to tensorize, and at what ranks, to meet a budget.
+"""Select: which layers to tensorize, and each one's ranks, to spend a budget well.
 
-Greedy by savings, touching as few layers as needed: layers join largest saving first, each
-at the rank cap (``max_rank``, default 30 as in CoMERA) until the budget holds. If every
-eligible layer at the cap is still too big, one common rank is lowered by bisection to the
-largest rank that meets the budget (higher rank = better accuracy). Layers too small to win,
-small classifier heads and anything the user excluded stay dense, each with its reason.
+Eligibility first: layers too small to win, small classifier heads, layers the forward never
+calls and anything the user excluded stay dense, each with its reason. Then the allocator
+(``allocate.py``) picks every other layer's ranks, per bond for pretrained weights, so the
+model lands between 95% and 100% of the budget, minimising the objective that fits the init
+(``objectives.py``). Without a budget every eligible layer gets the rank cap (30, as CoMERA).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from comera_compile.passes.allocate import (
+    MIN_COMPRESSION,
+    LayerPlan,
+    Ranks,
+    allocate,
+    cheapest_states,
+    totals_of,
+)
 from comera_compile.passes.budget import Budget
 from comera_compile.passes.candidates import CONV1D, LINEAR, Candidate
+from comera_compile.passes.objectives import capacity_loss, error_loss
 from comera_compile.passes.rewrite import new_layer
 from comera_compile.passes.shapes import LayerShape
 from comera_compile.passes.specs import (
@@ -26,12 +36,12 @@ from comera_compile.passes.specs import (
     auto_modes,
     make_spec,
 )
+from comera_compile.passes.spectra import Spectrum, layer_spectrum
 from comera_compile.passes.targets import Names, check_layer_config, config_for, user_skip
 
 DEFAULT_MAX_RANK = 30  # the reference's r
 MIN_PARAMS = 4096  # smaller layers stay dense: launch overhead beats any saving
 HEAD_CLASSES = 16  # Linear layers with fewer outputs are classifier heads: kept dense
-MIN_COMPRESSION = 2.0  # below this a slower contraction buys too little memory
 
 
 @dataclass
@@ -44,6 +54,8 @@ class Selection:
     before: dict[str, int | None]
     after: dict[str, int | None]
     limits: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)  # predicted, init="dense" only
+    shares: dict[str, float] = field(default_factory=dict)  # of the budget's first limit
 
 
 @dataclass
@@ -58,11 +70,14 @@ class _Option:
     shape: LayerShape | None
     fixed: LayerSpec | None = None
     forced: bool = False
+    spectrum: Spectrum | None = None
 
-    def spec(self, rank: int) -> LayerSpec:
+    def spec(self, rank: int | list[int]) -> LayerSpec:
         if self.fixed is not None:
             return self.fixed
-        return make_spec(self.cand, self.fmt, min(rank, self.cap), self.in_modes, self.out_modes)
+        if isinstance(rank, int):
+            rank = min(rank, self.cap)
+        return make_spec(self.cand, self.fmt, rank, self.in_modes, self.out_modes)
 
     def delta(self, spec: LayerSpec) -> dict[str, int]:
         """Change of each total when this layer becomes ``spec``."""
@@ -170,7 +185,7 @@ def eligible_options(
         else:
             layer_fmt = _format_for(cand, None, fmt, cand.name)
             ins, outs = auto_modes(cand, layer_fmt)
-            option = _Option(cand, layer_fmt, ins, outs, 1, None)
+            option = _Option(cand, layer_fmt, ins, outs, 1, None, forced=include is not None)
             smallest = make_spec(cand, layer_fmt, 1, ins, outs).params
             if smallest * MIN_COMPRESSION > cand.dense_params:
                 skipped[cand.name] = f"less than {MIN_COMPRESSION:g}x smaller even at rank 1"
@@ -179,15 +194,6 @@ def eligible_options(
         option.cap = _rank_cap(option, max_rank)
         options.append(option)
     return options, skipped
-
-
-def _totals(before: dict, options: list[_Option], rank: int) -> dict[str, int | None]:
-    after = dict(before)
-    for option in options:
-        for metric, change in option.delta(option.spec(rank)).items():
-            if after[metric] is not None:
-                after[metric] += change
-    return after
 
 
 def _meets(totals: dict, limits: dict[str, float]) -> bool:
@@ -207,42 +213,93 @@ def _unreachable(budget: Budget, before: dict, smallest: dict, limits: dict) -> 
     )
 
 
+def layer_plan(
+    option: _Option,
+    init: str = "random",
+    max_rank: int | None = None,
+    output_weight: float = 1.0,
+) -> LayerPlan:
+    """The allocator's view of one option, with the loss that fits ``init``."""
+    cache: dict[Ranks | None, dict[str, int]] = {}
+
+    def change(ranks: Ranks | None) -> dict[str, int]:
+        if ranks not in cache:
+            cache[ranks] = ({"params": 0, "bytes": 0, "macs": 0} if ranks is None
+                            else option.delta(option.spec(list(ranks))))
+        return cache[ranks]
+
+    dims = tuple(option.spec(1).chain_dims)
+    fixed = tuple(option.fixed.ranks) if option.fixed is not None else None
+    plan = LayerPlan(option.cand.name, dims, option.cand.dense_params, change, lambda r: 0.0,
+                     per_bond=init == "dense", max_rank=max_rank, fixed=fixed,
+                     forced=option.forced)
+    if init == "dense":
+        option.spectrum = layer_spectrum(option.cand, option.spec(1))
+        plan.loss = error_loss(option.spectrum, output_weight)
+    else:
+        plan.loss = capacity_loss(plan.dense_params, plan.params)
+    return plan
+
+
 def select_layers(
     options: list[_Option],
     skipped: dict[str, str],
     budget: Budget | None,
     before: dict[str, int | None],
     max_rank: int | None = None,
+    init: str = "random",
+    output_weights: dict[str, float] | None = None,
 ) -> Selection:
-    """Choose layers and a common rank cap so the model meets ``budget`` (all if None)."""
-    cap = max_rank or DEFAULT_MAX_RANK
+    """Choose layers and each one's ranks so the model spends 95-100% of ``budget``.
+
+    ``init="dense"`` minimises the weights' truncation error (per bond, from singular values,
+    weighted by ``output_weights`` when given); ``"random"`` compresses every layer alike.
+    Without a budget every eligible layer is tensorized at the rank cap (30 by default).
+    """
     if budget is None:
+        cap = max_rank or DEFAULT_MAX_RANK
         chosen = {o.cand.name: (o.cand, o.spec(cap)) for o in options}
-        return Selection(chosen, skipped, cap, before, _totals(before, options, cap))
+        return Selection(chosen, skipped, cap, before, _totals_at(before, options, cap))
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
-    forced = [o for o in options if o.forced]
-    optional = sorted(
-        (o for o in options if not o.forced),
-        key=lambda o: o.delta(o.spec(cap))["params"],  # most negative = largest saving
-    )
-    picked, rank = None, cap
-    for k in range(len(optional) + 1):
-        trial = forced + optional[:k]
-        if _meets(_totals(before, trial, cap), limits):
-            picked = trial
-            break
-    if picked is None:
-        picked = forced + optional
-        if not _meets(_totals(before, picked, 1), limits):
-            raise _unreachable(budget, before, _totals(before, picked, 1), limits)
-        lo, hi = 1, cap
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if _meets(_totals(before, picked, mid), limits) else (lo, mid - 1)
-        rank = lo
-    picked_ids = {id(o) for o in picked}
+    weights = output_weights or {}
+    plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0)) for o in options]
+    base = {m: before[m] for m in limits}
+    states = allocate(plans, base, limits)
+    if states is None:
+        smallest = totals_of(plans, cheapest_states(plans, limits), before)
+        raise _unreachable(budget, before, smallest, limits)
+    chosen, errors, shares = {}, {}, {}
+    for option, plan, ranks in zip(options, plans, states):
+        name = option.cand.name
+        if ranks is None:
+            why = "not needed to meet the budget"
+            if init == "dense":
+                worst = plan.loss(plan.smallest()) / weights.get(name, 1.0)
+                why = (f"kept dense: compressing it loses more per parameter saved than "
+                       f"elsewhere (relative error {math.sqrt(worst):.2f} at rank 1)")
+            skipped[name] = why
+            continue
+        chosen[name] = (option.cand, option.spec(list(ranks)))
+        shares[name] = _share(option, plan.change(ranks), limits)
+        if option.spectrum is not None:
+            errors[name] = math.sqrt(option.spectrum.relative_sq_error(ranks))
+    after = totals_of(plans, states, before)
+    rank = max((max(spec.ranks) for _, spec in chosen.values()), default=0)
+    return Selection(chosen, skipped, rank, before, after, limits, errors, shares)
+
+
+def _share(option: _Option, change: dict[str, int], limits: dict[str, float]) -> float:
+    """What the layer holds of the budget's first limit (params, else bytes, else MACs)."""
+    metric = next(m for m in ("params", "bytes", "macs") if m in limits)
+    dense = {"params": option.cand.dense_params, "bytes": option.cand.dense_bytes,
+             "macs": dense_macs(option.cand, option.shape)}[metric]
+    return (dense + change[metric]) / limits[metric]
+
+
+def _totals_at(before: dict, options: list[_Option], rank: int) -> dict[str, int | None]:
+    after = dict(before)
     for option in options:
-        if id(option) not in picked_ids:
-            skipped[option.cand.name] = "not needed to meet the budget"
-    chosen = {o.cand.name: (o.cand, o.spec(rank)) for o in picked}
-    return Selection(chosen, skipped, rank, before, _totals(before, picked, rank), limits)
+        for metric, change in option.delta(option.spec(rank)).items():
+            if after[metric] is not None:
+                after[metric] += change
+    return after

