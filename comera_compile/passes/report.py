@@ -80,6 +80,7 @@ class Summary:
     capture_path: str | None = None
     capture_reason: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # per layer: what changed in use
 
     @property
     def compression(self) -> float:
@@ -109,6 +110,9 @@ class Summary:
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
             f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized"
         )
+        if self.notes:
+            lines.append(f"notes ({len(self.notes)}):")
+            lines += [f"  {name}: {note}" for name, note in self.notes.items()]
         if self.skipped:
             lines.append(f"left dense ({len(self.skipped)}):")
             lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
@@ -138,7 +142,18 @@ def summary(model: nn.Module) -> Summary:
         report.capture_path if report else None,
         report.capture_reason if report else None,
         dict(report.skipped) if report else {},
+        _notes(model),
     )
+
+
+def _notes(model: nn.Module) -> dict[str, str]:
+    """Per layer, what a user of the original layer must know (sparse tables)."""
+    return {
+        name: ("declared sparse=True; gradients became dense: its TT cores get small dense "
+               "gradients, which SGD, Adagrad and Adam take (SparseAdam does not)")
+        for name, module in model.named_modules()
+        if isinstance(module, TTEmbedding) and module.declared_sparse
+    }
 
 
 def record_original(cand: Candidate) -> dict[str, Any]:

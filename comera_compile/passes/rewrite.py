@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from comera_compile.nn import TensorizedLayer, TTEmbedding, TTLinear, TTMLinear
-from comera_compile.passes.candidates import CONV1D, EMBEDDING_BAG, Candidate
+from comera_compile.nn.tt_embedding import dense_options
+from comera_compile.passes.candidates import CONV1D, Candidate
 from comera_compile.passes.specs import TT, TTM, LayerSpec
 
 INITS = ("random", "dense")
@@ -30,12 +31,10 @@ def new_layer(
     device = cand.weight.device if device is None else device
     dtype = cand.weight.dtype
     if cand.is_embedding:
-        module = cand.module
-        mode = module.mode if cand.kind == EMBEDDING_BAG else None
         return TTEmbedding(
-            cand.in_features, cand.out_features, ranks=ranks, padding_idx=module.padding_idx,
-            mode=mode, row_modes=in_modes, col_modes=out_modes, order=order, device=device,
-            dtype=dtype,
+            cand.in_features, cand.out_features, ranks=ranks, row_modes=in_modes,
+            col_modes=out_modes, order=order, device=device, dtype=dtype,
+            **dense_options(cand.module),
         )
     cls = {TT: TTLinear, TTM: TTMLinear}[fmt]
     return cls(
