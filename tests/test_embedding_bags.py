@@ -183,3 +183,63 @@ def test_include_last_offset_table_swaps_in():
     bag = result.get_submodule("bag")
     assert isinstance(bag, TTEmbedding) and bag.include_last_offset
     assert result(ids, offsets).shape == (2, 32)
+
+
+_TRAIN_10M_ROWS = """
+import torch
+from comera_compile.nn import TTEmbedding
+
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+rows = 10_000_000
+layer = TTEmbedding(rows, 16, ranks=16, mode="sum")
+opt = torch.optim.Adagrad(layer.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(0)
+
+def step(bags, per_bag):
+    ids = torch.randint(0, rows, (bags, per_bag), generator=g)
+    loss = layer(ids).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+for shape in ((1, 1), (256, 1), (4096, 4)):  # every lookup strategy, optimizer state made
+    step(*shape)
+before = rss("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+for shape in ((1, 1), (256, 1), (4096, 4), (1, 1)):
+    step(*shape)
+trained = rss("VmHWM") - before
+canary = torch.ones(4_000_000, 4)  # 64 MB: proves the measurement sees an allocation
+seen = rss("VmHWM") - before
+print(trained, seen)
+"""
+
+
+@pytest.mark.slow
+def test_training_a_10m_row_table_allocates_nothing_table_sized(tmp_path):
+    """Forward, backward and Adagrad on a 10M x 16 table (640 MB dense) in a fresh process:
+    the peak RSS during the steps must stay a small fraction of the table."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    script = tmp_path / "train_10m.py"
+    script.write_text(_TRAIN_10M_ROWS)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    trained, seen = (int(v) for v in done.stdout.split()[-2:])
+    table = 10_000_000 * 16 * 4
+    assert seen > 60 * 2**20  # the 64 MB canary shows up
+    # 16,384 ids in the largest batch: ~20 MB of batch-sized work (sorts, gathers, their
+    # gradients); the dense table alone would be 640 MB and its Adagrad state as much again.
+    assert trained < table / 16, f"peak grew by {trained / 2**20:.1f} MB while training"
