@@ -4,7 +4,14 @@ Cores are ``(r_{k-1}, m_k, n_k, r_k)`` with ``m`` the vocabulary modes and ``n``
 embedding-dim modes. A lookup splits each id into mode indices, gathers only the needed
 slices of two pre-merged halves of the chain and contracts them per row (the planner picks
 the split for the number of ids). Ids are de-duplicated first so each distinct row is built
-once, then scattered back; bag pooling reuses ``F.embedding_bag`` on those rows.
+once, then scattered back; bag pooling reuses ``F.embedding_bag`` on those rows. Nothing in
+the forward or backward is table-sized: the work and the gradients scale with the distinct
+ids of the batch and with the cores.
+
+Recommenders declare their tables ``sparse=True`` so that only the touched rows get a
+gradient. A TT table needs no such thing: its gradient is the cores' gradient, small and
+dense, which SGD, Adagrad and Adam take as they are. ``torch.optim.SparseAdam`` only takes
+sparse gradients, so it gets an error that says to use one of those instead.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from comera_compile.formats import (
     fit_ranks,
@@ -35,7 +43,11 @@ _BAG_MODES = (None, "sum", "mean", "max")
 
 
 class TTEmbedding(TensorizedLayer):
-    """``nn.Embedding`` (or, with ``mode=``, ``nn.EmbeddingBag``) replacement in TTM format."""
+    """``nn.Embedding`` (or, with ``mode=``, ``nn.EmbeddingBag``) replacement in TTM format.
+
+    ``sparse=True`` is accepted so that a recommender's table swaps in unchanged; the cores'
+    gradients are dense either way (``declared_sparse`` remembers what the table asked for).
+    """
 
     format = "tt_embedding"
 
@@ -50,6 +62,8 @@ class TTEmbedding(TensorizedLayer):
         col_modes: Sequence[int] | None = None,
         order: int | None = None,
         dedup: bool = True,
+        include_last_offset: bool = False,
+        sparse: bool = False,
         threshold: float = DEFAULT_THRESHOLD,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -58,6 +72,8 @@ class TTEmbedding(TensorizedLayer):
         embedding_dim = positive_int("embedding_dim", embedding_dim)
         if mode not in _BAG_MODES:
             raise ValueError(f"mode must be one of {_BAG_MODES}, got {mode!r}")
+        if include_last_offset and mode is None:
+            raise ValueError("include_last_offset needs a bag layer (mode='sum'|'mean'|'max')")
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"padding_idx {padding_idx} is outside [0, {num_embeddings})")
@@ -76,6 +92,8 @@ class TTEmbedding(TensorizedLayer):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.row_modes, self.col_modes = row_modes, col_modes
         self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
+        self.include_last_offset, self.declared_sparse = bool(include_last_offset), bool(sparse)
+        _watch_sparse_adam()
 
     @property
     def dense_parameters(self) -> int:
@@ -118,16 +136,15 @@ class TTEmbedding(TensorizedLayer):
         offsets: Tensor | None = None,
         per_sample_weights: Tensor | None = None,
     ) -> Tensor:
+        """Rows like ``nn.Embedding``, or pooled bags like ``nn.EmbeddingBag`` (2-d ``input``
+        of fixed-size bags, or 1-d ``input`` with ``offsets``)."""
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"TTEmbedding expects integer ids, got {input.dtype}")
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("offsets / per_sample_weights need a bag layer (mode='sum'|'mean')")
         flat = input.reshape(-1).long()
         eager = not torch.compiler.is_compiling() and not _capturing()
-        if eager and flat.numel():  # one host read for both bounds
-            low, high = (int(v) for v in torch.stack(torch.aminmax(flat)).tolist())
-            if low < 0 or high >= self.num_embeddings:
-                raise IndexError(f"ids must lie in [0, {self.num_embeddings}), got [{low}, {high}]")
+        self._check_ids(flat, eager)
         if self.dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
         else:
@@ -146,8 +163,25 @@ class TTEmbedding(TensorizedLayer):
             offsets,
             mode=self.mode,
             per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
             padding_idx=padding,
         )
+
+    def _check_ids(self, flat: Tensor, eager: bool) -> None:
+        """Out-of-range ids would silently read padding rows of the TTM chain: refuse them.
+
+        Eagerly one host read gives both bounds for the message; while compiled (or under
+        CUDA Graph capture) one fused device-side assert checks them without a sync.
+        """
+        if not flat.numel():
+            return
+        if not eager:
+            inside = torch.logical_and(flat >= 0, flat < self.num_embeddings).all()
+            torch._assert_async(inside, f"TTEmbedding ids must lie in [0, {self.num_embeddings})")
+            return
+        low, high = (int(v) for v in torch.stack(torch.aminmax(flat)).tolist())
+        if low < 0 or high >= self.num_embeddings:
+            raise IndexError(f"ids must lie in [0, {self.num_embeddings}), got [{low}, {high}]")
 
     def to_dense(self) -> Tensor:
         """The ``(num_embeddings, embedding_dim)`` table (for export and tests only)."""
@@ -167,16 +201,13 @@ class TTEmbedding(TensorizedLayer):
         **kwargs,
     ) -> TTEmbedding:
         """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``)."""
-        mode = module.mode if isinstance(module, nn.EmbeddingBag) else None
         layer = cls(
             module.num_embeddings,
             module.embedding_dim,
             ranks=1,
-            padding_idx=module.padding_idx,
-            mode=mode,
             device=module.weight.device,
             dtype=module.weight.dtype,
-            **kwargs,
+            **{**dense_options(module), **kwargs},
         )
         rows, cols = layer.padded_shape
         table = zero_pad(module.weight.detach(), rows, cols)
@@ -193,6 +224,45 @@ class TTEmbedding(TensorizedLayer):
     def extra_repr(self) -> str:
         bag = f", mode={self.mode!r}" if self.mode else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
+
+
+def dense_options(module: nn.Embedding | nn.EmbeddingBag) -> dict:
+    """The settings of a dense table that its TT replacement keeps (keyword arguments)."""
+    bag = isinstance(module, nn.EmbeddingBag)
+    return {
+        "padding_idx": module.padding_idx,
+        "mode": module.mode if bag else None,
+        "include_last_offset": bool(bag and module.include_last_offset),
+        "sparse": bool(module.sparse),
+    }
+
+
+_sparse_adam_watched = False
+
+
+def _watch_sparse_adam() -> None:
+    """Once per process: make SparseAdam explain what to do with dense (TT core) gradients."""
+    global _sparse_adam_watched
+    if not _sparse_adam_watched:
+        register_optimizer_step_pre_hook(_refuse_dense_grads_in_sparse_adam)
+        _sparse_adam_watched = True
+
+
+def _refuse_dense_grads_in_sparse_adam(optimizer, args, kwargs) -> None:
+    """SparseAdam would fail on a dense gradient anyway; this says why and what to use."""
+    if not isinstance(optimizer, torch.optim.SparseAdam):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and not param.grad.is_sparse:
+                raise RuntimeError(
+                    "torch.optim.SparseAdam only takes sparse gradients, but a parameter of "
+                    f"shape {tuple(param.shape)} has a dense one. Tensorized embedding tables "
+                    "(TTEmbedding, which replaces nn.Embedding/EmbeddingBag(sparse=True)) "
+                    "train small TT cores whose gradients are dense: optimize them with "
+                    "torch.optim.Adam, Adagrad or SGD instead of SparseAdam, e.g. "
+                    "torch.optim.Adam(model.parameters())."
+                )
 
 
 def _capturing() -> bool:

@@ -93,10 +93,6 @@ def _unsupported(module: nn.Module, kind: str) -> str | None:
         return "max_norm is not supported by TTEmbedding"
     if module.scale_grad_by_freq:
         return "scale_grad_by_freq is not supported by TTEmbedding"
-    if module.sparse:
-        return "sparse gradients are not supported by TTEmbedding"
-    if kind == EMBEDDING_BAG and module.include_last_offset:
-        return "include_last_offset is not supported by TTEmbedding"
     return None
 
 

@@ -88,6 +88,7 @@ class Summary:
     skipped: dict[str, str] = field(default_factory=dict)
     returned: str = ""
     tied: dict[str, str] = field(default_factory=dict)  # head name -> embedding it reads
+    notes: dict[str, str] = field(default_factory=dict)  # per layer: what changed in use
 
     @property
     def compression(self) -> float:
@@ -123,6 +124,9 @@ class Summary:
         for head, embedding in self.tied.items():
             lines.append(f"tied: {head} computes its logits from the cores of {embedding} "
                          "(no weight of its own)")
+        if self.notes:
+            lines.append(f"notes ({len(self.notes)}):")
+            lines += [f"  {name}: {note}" for name, note in self.notes.items()]
         if self.skipped:
             lines.append(f"left dense ({len(self.skipped)}):")
             lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
@@ -165,6 +169,7 @@ def summary(model: nn.Module) -> Summary:
         skipped,
         report.returned if report else "",
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
+        _notes(model),
     )
 
 
@@ -190,6 +195,16 @@ def layer_records(model: nn.Module, selection: Any, init: str) -> dict[str, dict
                 )
         records[name] = record
     return records
+
+
+def _notes(model: nn.Module) -> dict[str, str]:
+    """Per layer, what a user of the original layer must know (sparse tables)."""
+    return {
+        name: ("declared sparse=True; gradients became dense: its TT cores get small dense "
+               "gradients, which SGD, Adagrad and Adam take (SparseAdam does not)")
+        for name, module in model.named_modules()
+        if isinstance(module, TTEmbedding) and module.declared_sparse
+    }
 
 
 def record_original(cand: Candidate) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from comera_compile.nn import (
 )
 from comera_compile.nn.attention import SPLIT_ATTENTION
 from comera_compile.nn.tied_head import TIED_HEAD
-from comera_compile.passes.candidates import CONV1D, EMBEDDING_BAG, Candidate, is_hf_conv1d
+from comera_compile.nn.tt_embedding import dense_options
+from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
 from comera_compile.passes.specs import TT, TT_EMBEDDING, TTM, LayerSpec
 
 INITS = ("random", "dense")
@@ -39,12 +40,10 @@ def new_layer(
     device = cand.weight.device if device is None else device
     dtype = cand.weight.dtype
     if cand.is_embedding:
-        module = cand.module
-        mode = module.mode if cand.kind == EMBEDDING_BAG else None
         return TTEmbedding(
-            cand.in_features, cand.out_features, ranks=ranks, padding_idx=module.padding_idx,
-            mode=mode, row_modes=in_modes, col_modes=out_modes, order=order, device=device,
-            dtype=dtype,
+            cand.in_features, cand.out_features, ranks=ranks, row_modes=in_modes,
+            col_modes=out_modes, order=order, device=device, dtype=dtype,
+            **dense_options(cand.module),
         )
     cls = {TT: TTLinear, TTM: TTMLinear}[fmt]
     return cls(
