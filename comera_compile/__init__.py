@@ -2,12 +2,13 @@
 
 from comera_compile import training
 from comera_compile.api import Budget, Summary, load, optimize, plans, save, summary
-from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
+from comera_compile.nn import LowRankLinear, TTEmbedding, TTLinear, TTMLinear
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Budget",
+    "LowRankLinear",
     "Summary",
     "TTEmbedding",
     "TTLinear",

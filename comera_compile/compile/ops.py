@@ -27,7 +27,7 @@ from comera_compile.planner import (
     ttm_linear_network,
 )
 
-_NETWORKS = {"tt": tt_linear_network, "ttm": ttm_linear_network}
+_NETWORKS = {"tt": tt_linear_network, "lowrank": tt_linear_network, "ttm": ttm_linear_network}
 
 _lib = torch.library.Library("comera", "DEF")
 _lib.define(

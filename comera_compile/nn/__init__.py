@@ -7,6 +7,7 @@ from comera_compile.nn.base import (
     tensorized_layers,
 )
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.lowrank_linear import LowRankLinear
 from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
 from comera_compile.nn.ttm_linear import TTMLinear
@@ -14,6 +15,7 @@ from comera_compile.nn.ttm_linear import TTMLinear
 __all__ = [
     "DEFAULT_THRESHOLD",
     "LayoutMismatchError",
+    "LowRankLinear",
     "PruneResult",
     "TTEmbedding",
     "TTLinear",

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from comera_compile.nn import TensorizedLayer, TTEmbedding, TTLinear, TTMLinear
+from comera_compile.nn import LowRankLinear, TensorizedLayer, TTEmbedding, TTLinear, TTMLinear
 from comera_compile.passes.candidates import CONV1D, EMBEDDING_BAG, Candidate
-from comera_compile.passes.specs import TT, TTM, LayerSpec
+from comera_compile.passes.specs import LOWRANK, TT, TTM, LayerSpec
 
 INITS = ("random", "dense")
+LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear}
 
 
 def new_layer(
@@ -37,7 +38,7 @@ def new_layer(
             mode=mode, row_modes=in_modes, col_modes=out_modes, order=order, device=device,
             dtype=dtype,
         )
-    cls = {TT: TTLinear, TTM: TTMLinear}[fmt]
+    cls = LINEAR_CLASSES[fmt]
     return cls(
         cand.in_features, cand.out_features, ranks=ranks, in_modes=in_modes,
         out_modes=out_modes, bias=cand.bias, order=order, device=device, dtype=dtype,
@@ -71,7 +72,7 @@ def build_layer(cand: Candidate, spec: LayerSpec, init: str = "random") -> Tenso
             return TTEmbedding.from_dense(
                 cand.module, ranks=internal, row_modes=spec.in_modes, col_modes=spec.out_modes
             )
-        cls = {TT: TTLinear, TTM: TTMLinear}[spec.format]
+        cls = LINEAR_CLASSES[spec.format]
         return cls.from_dense(
             _as_linear(cand), ranks=internal, in_modes=spec.in_modes, out_modes=spec.out_modes
         )
