@@ -136,7 +136,10 @@ def optimize(
         selection.rank,
         init,
         before,
-        {name: record_original(cand) for name, (cand, _) in selection.chosen.items()},
+        {
+            name: record_original(cand, selection.order_reasons.get(name, ""))
+            for name, (cand, _) in selection.chosen.items()
+        },
         selection.skipped,
     )
     setattr(target, REPORT_ATTR, report)

@@ -98,3 +98,65 @@ def test_optimize_lowrank_format_dense_init_is_exact_at_full_rank():
     assert all(isinstance(m, LowRankLinear) for m in cc.nn.tensorized_layers(model).values())
     x = torch.randn(3, 64, dtype=torch.float64)
     torch.testing.assert_close(model(x), dense(x), rtol=1e-9, atol=1e-9)
+
+
+# ----- order choice by planned training cost ----------------------------------------------
+def _candidate(fan_in: int, fan_out: int):
+    from comera_compile.passes.candidates import find_candidates
+
+    return find_candidates(nn.Sequential(nn.Linear(fan_in, fan_out)))[0]
+
+
+@pytest.mark.parametrize(("shape", "default", "cap", "rows"), [
+    ((768, 768), 3, 8, 32), ((768, 768), 3, 8, 512), ((64, 96), 2, 30, 32), ((64, 96), 2, 30, 512),
+])
+def test_order_choice_is_the_cheapest_planned_training_step(shape, default, cap, rows):
+    from comera_compile.passes.order import choose_tt_order, planned_training_cost
+
+    choice = choose_tt_order(_candidate(*shape), cap, rows)
+    reference = next(o for o in choice.options if o.order == default)
+    assert max(reference.spec.ranks) == cap  # the default order sets the parameter count
+    reference = reference.params
+    assert {o.order for o in choice.options} == {2, 3, 4}
+    for option in choice.options:  # similar expressiveness: about the same parameters
+        assert 0.8 * reference <= option.params <= reference
+        assert option.cost == planned_training_cost(option.spec, rows)
+    assert choice.chosen.cost == min(o.cost for o in choice.options)
+    assert f"order {choice.chosen.order}" not in choice.reason.split(" vs ")[-1]
+
+
+def test_order_choice_changes_with_the_batch():
+    from comera_compile.passes.order import choose_tt_order
+
+    cand = _candidate(768, 768)
+    assert [choose_tt_order(cand, 8, rows).chosen.order for rows in (1, 32, 512)] == [2, 3, 2]
+    cand = _candidate(64, 96)
+    assert [choose_tt_order(cand, 30, rows).chosen.order for rows in (32, 512)] == [2, 4]
+
+
+def test_order_choice_follows_the_cost_model(monkeypatch):
+    """Swap the cost model for one that favours a given order: the choice must follow it."""
+    from comera_compile.passes import order
+
+    for favourite in (2, 3, 4):
+        monkeypatch.setattr(order, "planned_training_cost",
+                            lambda spec, *a, f=favourite: abs(len(spec.in_modes) - f))
+        assert order.choose_tt_order(_candidate(768, 768), 16, 64).chosen.order == favourite
+
+
+def test_optimize_reports_the_order_and_layer_config_overrides_it():
+    x = torch.randn(512, 64)
+    model = cc.optimize(_mlp(), example_inputs=x, compile=False, max_rank=30,
+                        layer_config={"2": {"order": 3}})
+    auto, forced = model.get_submodule("0"), model.get_submodule("2")
+    assert len(forced.in_modes) == 3
+    assert len(auto.in_modes) == 4  # cheapest planned step for 64x96 at 512 rows (above)
+    records = {r["name"]: r for r in cc.summary(model).records}
+    assert records["0"]["order"] == 4
+    assert records["0"]["order_reason"].startswith("order 4: lowest planned training cost")
+    assert records["2"]["order_reason"] == "set in layer_config (order)"
+    table = str(cc.summary(model))
+    assert "order (modes per side) chosen:" in table
+    hidden = torch.relu(x @ auto.to_dense().T + auto.bias)
+    torch.testing.assert_close(model(x), hidden @ forced.to_dense().T + forced.bias,
+                               rtol=1e-4, atol=1e-5)

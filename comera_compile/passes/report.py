@@ -67,6 +67,8 @@ def _layer_record(name: str, layer: TensorizedLayer, original: dict[str, Any] | 
         "compression": original["params"] / after,
         "macs_per_row_before": original["macs_per_row"],
         "macs_per_row_after": spec.macs_per_row(),
+        "order": None if embedding else len(spec.in_modes),
+        "order_reason": original.get("order_reason", ""),
     }
 
 
@@ -109,6 +111,10 @@ class Summary:
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
             f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized"
         )
+        reasons = [r for r in self.records if r["order_reason"]]
+        if reasons:
+            lines.append("order (modes per side) chosen:")
+            lines += [f"  {r['name']}: {r['order_reason']}" for r in reasons]
         if self.skipped:
             lines.append(f"left dense ({len(self.skipped)}):")
             lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
@@ -141,9 +147,10 @@ def summary(model: nn.Module) -> Summary:
     )
 
 
-def record_original(cand: Candidate) -> dict[str, Any]:
-    """What the summary prints for the layer before it was swapped."""
+def record_original(cand: Candidate, order_reason: str = "") -> dict[str, Any]:
+    """What the summary prints for the layer before it was swapped, and why its order."""
     return {
+        "order_reason": order_reason,
         "original": cand.describe(),
         "params": cand.dense_params,
         "macs_per_row": 0 if cand.is_embedding else cand.in_features * cand.out_features,

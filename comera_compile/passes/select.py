@@ -17,6 +17,7 @@ from torch import nn
 
 from comera_compile.passes.budget import Budget
 from comera_compile.passes.candidates import CONV1D, LINEAR, Candidate
+from comera_compile.passes.order import pick_order
 from comera_compile.passes.rewrite import new_layer
 from comera_compile.passes.shapes import LayerShape
 from comera_compile.passes.specs import (
@@ -44,6 +45,7 @@ class Selection:
     before: dict[str, int | None]
     after: dict[str, int | None]
     limits: dict[str, float] = field(default_factory=dict)
+    order_reasons: dict[str, str] = field(default_factory=dict)  # why each layer's TT order
 
 
 @dataclass
@@ -58,6 +60,7 @@ class _Option:
     shape: LayerShape | None
     fixed: LayerSpec | None = None
     forced: bool = False
+    why: str = ""  # why this order (modes per side)
 
     def spec(self, rank: int) -> LayerSpec:
         if self.fixed is not None:
@@ -177,6 +180,11 @@ def eligible_options(
                 continue
         option.shape = (shapes or {}).get(cand.name)
         option.cap = _rank_cap(option, max_rank)
+        rows = option.shape.rows if option.shape is not None else None
+        ordered, option.why = pick_order(cand, option.fmt, option.cap, rows, cfg)
+        if ordered is not None:  # same parameters, cheapest training step: its own rank cap
+            option.in_modes, option.out_modes = ordered.in_modes, ordered.out_modes
+            option.cap = max(ordered.ranks)
         options.append(option)
     return options, skipped
 
@@ -218,7 +226,8 @@ def select_layers(
     cap = max_rank or DEFAULT_MAX_RANK
     if budget is None:
         chosen = {o.cand.name: (o.cand, o.spec(cap)) for o in options}
-        return Selection(chosen, skipped, cap, before, _totals(before, options, cap))
+        return Selection(chosen, skipped, cap, before, _totals(before, options, cap),
+                         order_reasons=_order_reasons(options))
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
     forced = [o for o in options if o.forced]
     optional = sorted(
@@ -245,4 +254,9 @@ def select_layers(
         if id(option) not in picked_ids:
             skipped[option.cand.name] = "not needed to meet the budget"
     chosen = {o.cand.name: (o.cand, o.spec(rank)) for o in picked}
-    return Selection(chosen, skipped, rank, before, _totals(before, picked, rank), limits)
+    return Selection(chosen, skipped, rank, before, _totals(before, picked, rank), limits,
+                     _order_reasons(picked))
+
+
+def _order_reasons(options: list[_Option]) -> dict[str, str]:
+    return {o.cand.name: o.why for o in options if o.why}
