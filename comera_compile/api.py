@@ -84,8 +84,12 @@ def optimize(
     ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
     ``compile=True`` (the default) wraps the result in ``torch.compile(backend="comera")``
     (compiled on the first call, once per batch size and per rank change); ``compile=False``
-    returns the eager module. ``autotune=True`` times the best few contraction orders of
-    each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
+    returns the eager module. ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
+    is the one with the cheapest planned training step at the example batch, at equal
+    parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
+    fastest per row, least accurate at high compression). ``autotune=True`` times the best
+    few contraction orders of each layer on first use; ``objective`` is the planner's cost
+    (cotengra's ``"combo"``).
     """
     _check_arguments(model, init, format, max_rank, objective)
     budget = parse_budget(budget)

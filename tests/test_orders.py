@@ -98,6 +98,8 @@ def test_optimize_lowrank_format_dense_init_is_exact_at_full_rank():
     assert all(isinstance(m, LowRankLinear) for m in cc.nn.tensorized_layers(model).values())
     x = torch.randn(3, 64, dtype=torch.float64)
     torch.testing.assert_close(model(x), dense(x), rtol=1e-9, atol=1e-9)
+    reasons = {r["order_reason"] for r in cc.summary(model).records}
+    assert reasons == {"one mode per side: format='lowrank' (W = U V)"}
 
 
 # ----- order choice by planned training cost ----------------------------------------------

@@ -20,7 +20,7 @@ import torch
 
 from comera_compile.formats import choose_order, tt_linear_modes
 from comera_compile.passes.candidates import Candidate
-from comera_compile.passes.specs import TT, LayerSpec, make_spec, max_useful_rank
+from comera_compile.passes.specs import LOWRANK, TT, LayerSpec, make_spec, max_useful_rank
 from comera_compile.planner import evaluate_path, get_plan, tt_linear_network
 
 ORDERS = (2, 3, 4)
@@ -141,8 +141,10 @@ def pick_order(
     if config and any(key in config for key in ORDER_KEYS):
         given = [key for key in ORDER_KEYS if key in config]
         return None, f"set in layer_config ({', '.join(given)})"
+    if fmt == LOWRANK:
+        return None, "one mode per side: format='lowrank' (W = U V)"
     if fmt != TT:
-        return None, f"format={fmt!r}"
+        return None, "default order (the order is chosen by cost for format='tt')"
     if rows is None:
         return None, "default order: no example_inputs to plan a batch for"
     choice = choose_tt_order(cand, cap, rows)
