@@ -11,12 +11,13 @@ from comera_compile.api import (
     summary,
     to_graph_module,
 )
-from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
+from comera_compile.nn import LowRankLinear, TTEmbedding, TTLinear, TTMLinear
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Budget",
+    "LowRankLinear",
     "Summary",
     "TTEmbedding",
     "TTLinear",

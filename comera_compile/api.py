@@ -107,11 +107,14 @@ def optimize(
     ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
     ``compile=True`` (the default) wraps the result in ``torch.compile(backend="comera")``
     (compiled on the first call, once per batch size and per rank change); ``compile=False``
-    returns the eager module. ``autotune=True`` times the best few contraction orders of
-    each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
-    ``memory="low"`` (compiled models) recomputes cheap activations in backward: several
-    times less training memory for a few percent more step time.
-    A model built under ``torch.device("meta")`` (too big to build dense) takes
+    returns the eager module. ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
+    is the one with the cheapest planned training step at the example batch, at equal
+    parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
+    fastest per row, least accurate at high compression). ``autotune=True`` times the best
+    few contraction orders of each layer on first use; ``objective`` is the planner's cost
+    (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes cheap
+    activations in backward: several times less training memory for a few percent more step
+    time. A model built under ``torch.device("meta")`` (too big to build dense) takes
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer
     ever exists.

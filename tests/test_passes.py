@@ -244,7 +244,9 @@ def test_summary_records_and_table():
     report = cc.summary(model)
     first = report.records[0]
     assert first["name"] == "net.0" and first["original"] == "Linear(256, 512)"
-    assert (first["in_modes"], first["out_modes"]) == ([8, 8, 4], [8, 8, 8])
+    # the order is chosen by planned training cost at the example batch (see test_orders.py)
+    assert (first["in_modes"], first["out_modes"]) == ([16, 16], [16, 32])
+    assert first["order"] == 2 and "planned training cost at 4 rows" in first["order_reason"]
     assert first["params_before"] == 256 * 512 + 512
     assert first["params_after"] == n_params(model.get_submodule("net.0"))
     assert first["macs_per_row_before"] == 256 * 512
@@ -253,6 +255,7 @@ def test_summary_records_and_table():
     assert table.splitlines()[0] == "capture: fx (torch.fx.symbolic_trace succeeded)"
     assert "net.0  Linear(256, 512)  tt" in table
     assert "left dense (1):" in table and "net.4: small output head" in table
+    assert "  net.0: order 2: lowest planned training cost" in table
 
 
 def test_summary_of_a_hand_built_model():

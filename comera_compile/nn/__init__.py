@@ -8,6 +8,7 @@ from comera_compile.nn.base import (
     tensorized_layers,
 )
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.lowrank_linear import LowRankLinear
 from comera_compile.nn.tied_head import TiedEmbeddingHead
 from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
@@ -20,6 +21,7 @@ __all__ = [
     "LEAF_MODULES",
     "DEFAULT_THRESHOLD",
     "LayoutMismatchError",
+    "LowRankLinear",
     "PruneResult",
     "SplitMultiheadAttention",
     "TTEmbedding",

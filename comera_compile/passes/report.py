@@ -73,6 +73,8 @@ def _layer_record(name: str, layer: TensorizedLayer, original: dict[str, Any] | 
         "macs_per_row_after": spec.macs_per_row(),
         "error": original.get("error"),  # relative, measured when built from dense weights
         "budget_share": original.get("budget_share"),
+        "order": None if embedding else len(spec.in_modes),
+        "order_reason": original.get("order_reason", ""),
     }
 
 
@@ -127,6 +129,10 @@ class Summary:
         if self.notes:
             lines.append(f"notes ({len(self.notes)}):")
             lines += [f"  {name}: {note}" for name, note in self.notes.items()]
+        reasons = [r for r in self.records if r["order_reason"]]
+        if reasons:
+            lines.append("order (modes per side) chosen:")
+            lines += [f"  {r['name']}: {r['order_reason']}" for r in reasons]
         if self.skipped:
             lines.append(f"left dense ({len(self.skipped)}):")
             lines += [f"  {name}: {why}" for name, why in self.skipped.items()]
@@ -181,7 +187,7 @@ def layer_records(model: nn.Module, selection: Any, init: str) -> dict[str, dict
     ``init="dense"``, the measured relative reconstruction error; warns above 0.5."""
     records = {}
     for name, (cand, _) in selection.chosen.items():
-        record = record_original(cand)
+        record = record_original(cand, selection.order_reasons.get(name, ""))
         if name in selection.shares:
             record["budget_share"] = selection.shares[name]
         if init == "dense":
@@ -207,9 +213,10 @@ def _notes(model: nn.Module) -> dict[str, str]:
     }
 
 
-def record_original(cand: Candidate) -> dict[str, Any]:
-    """What the summary prints for the layer before it was swapped."""
+def record_original(cand: Candidate, order_reason: str = "") -> dict[str, Any]:
+    """What the summary prints for the layer before it was swapped, and why its order."""
     return {
+        "order_reason": order_reason,
         "original": cand.describe(),
         "params": cand.dense_params,
         "macs_per_row": 0 if cand.is_embedding else cand.in_features * cand.out_features,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from comera_compile.nn import (
+    LowRankLinear,
     SplitMultiheadAttention,
     TensorizedLayer,
     TiedEmbeddingHead,
@@ -22,9 +23,10 @@ from comera_compile.nn.attention import SPLIT_ATTENTION
 from comera_compile.nn.tied_head import TIED_HEAD
 from comera_compile.nn.tt_embedding import dense_options
 from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
-from comera_compile.passes.specs import TT, TT_EMBEDDING, TTM, LayerSpec
+from comera_compile.passes.specs import LOWRANK, TT, TT_EMBEDDING, TTM, LayerSpec
 
 INITS = ("random", "dense")
+LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear}
 
 
 def new_layer(
@@ -45,7 +47,7 @@ def new_layer(
             col_modes=out_modes, order=order, device=device, dtype=dtype,
             **dense_options(cand.module),
         )
-    cls = {TT: TTLinear, TTM: TTMLinear}[fmt]
+    cls = LINEAR_CLASSES[fmt]
     return cls(
         cand.in_features, cand.out_features, ranks=ranks, in_modes=in_modes,
         out_modes=out_modes, bias=cand.bias, order=order, device=device, dtype=dtype,
@@ -91,7 +93,7 @@ def build_layer(
             return TTEmbedding.from_dense(
                 cand.module, ranks=internal, row_modes=spec.in_modes, col_modes=spec.out_modes
             )
-        cls = {TT: TTLinear, TTM: TTMLinear}[spec.format]
+        cls = LINEAR_CLASSES[spec.format]
         return cls.from_dense(
             _as_linear(cand), ranks=internal, in_modes=spec.in_modes, out_modes=spec.out_modes
         )

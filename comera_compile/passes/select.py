@@ -27,6 +27,7 @@ from comera_compile.passes.allocate import (
 from comera_compile.passes.budget import Budget
 from comera_compile.passes.candidates import CONV1D, LINEAR, Candidate
 from comera_compile.passes.objectives import capacity_loss, error_loss
+from comera_compile.passes.order import pick_order
 from comera_compile.passes.rewrite import new_layer
 from comera_compile.passes.shapes import LayerShape
 from comera_compile.passes.specs import (
@@ -56,6 +57,7 @@ class Selection:
     limits: dict[str, float] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)  # predicted, init="dense" only
     shares: dict[str, float] = field(default_factory=dict)  # of the budget's first limit
+    order_reasons: dict[str, str] = field(default_factory=dict)  # why each layer's TT order
 
 
 @dataclass
@@ -71,6 +73,7 @@ class _Option:
     fixed: LayerSpec | None = None
     forced: bool = False
     spectrum: Spectrum | None = None
+    why: str = ""  # why this order (modes per side)
 
     def spec(self, rank: int | list[int]) -> LayerSpec:
         if self.fixed is not None:
@@ -192,6 +195,11 @@ def eligible_options(
                 continue
         option.shape = (shapes or {}).get(cand.name)
         option.cap = _rank_cap(option, max_rank)
+        rows = option.shape.rows if option.shape is not None else None
+        ordered, option.why = pick_order(cand, option.fmt, option.cap, rows, cfg)
+        if ordered is not None:  # same parameters, cheapest training step: its own rank cap
+            option.in_modes, option.out_modes = ordered.in_modes, ordered.out_modes
+            option.cap = max(ordered.ranks)
         options.append(option)
     return options, skipped
 
@@ -259,7 +267,8 @@ def select_layers(
     if budget is None:
         cap = max_rank or DEFAULT_MAX_RANK
         chosen = {o.cand.name: (o.cand, o.spec(cap)) for o in options}
-        return Selection(chosen, skipped, cap, before, _totals_at(before, options, cap))
+        return Selection(chosen, skipped, cap, before, _totals_at(before, options, cap),
+                         order_reasons=_order_reasons(options))
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
     weights = output_weights or {}
     plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0)) for o in options]
@@ -285,7 +294,8 @@ def select_layers(
             errors[name] = math.sqrt(option.spectrum.relative_sq_error(ranks))
     after = totals_of(plans, states, before)
     rank = max((max(spec.ranks) for _, spec in chosen.values()), default=0)
-    return Selection(chosen, skipped, rank, before, after, limits, errors, shares)
+    reasons = {k: v for k, v in _order_reasons(options).items() if k in chosen}
+    return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons)
 
 
 def _share(option: _Option, change: dict[str, int], limits: dict[str, float]) -> float:
@@ -303,3 +313,7 @@ def _totals_at(before: dict, options: list[_Option], rank: int) -> dict[str, int
             if after[metric] is not None:
                 after[metric] += change
     return after
+
+
+def _order_reasons(options: list[_Option]) -> dict[str, str]:
+    return {o.cand.name: o.why for o in options if o.why}

@@ -7,6 +7,7 @@ budget the search meets is the budget ``sum(p.numel() for p in model.parameters(
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,8 +22,9 @@ from comera_compile.formats import (
 )
 from comera_compile.passes.candidates import Candidate
 
-TT, TTM, TT_EMBEDDING = "tt", "ttm", "tt_embedding"
-LINEAR_FORMATS = (TT, TTM)
+TT, TTM, TT_EMBEDDING, LOWRANK = "tt", "ttm", "tt_embedding", "lowrank"
+LINEAR_FORMATS = (TT, TTM, LOWRANK)
+TT_CHAINS = (TT, LOWRANK)  # a low-rank layer is a TT chain with one mode per side
 
 
 @dataclass(frozen=True)
@@ -39,14 +41,14 @@ class LayerSpec:
 
     @property
     def chain_dims(self) -> list[int]:
-        if self.format == TT:
+        if self.format in TT_CHAINS:
             return [*self.in_modes, *self.out_modes]
         return [m * n for m, n in zip(self.in_modes, self.out_modes)]
 
     @property
     def params(self) -> int:
         """Cores + gates + bias: exactly the built layer's parameter count."""
-        if self.format == TT:
+        if self.format in TT_CHAINS:
             cores = tt_linear_params(self.in_modes, self.out_modes, self.ranks)
         elif self.format == TTM:  # cores are (r, out mode, in mode, r)
             cores = ttm_params(self.out_modes, self.in_modes, self.ranks)
@@ -56,7 +58,7 @@ class LayerSpec:
 
     def macs(self, rows: int, calls: int = 1) -> int:
         """Forward multiply-adds for ``rows`` input rows over ``calls`` calls."""
-        if self.format == TT:
+        if self.format in TT_CHAINS:
             per_row = tt_linear_macs(1, self.in_modes, self.out_modes, self.ranks, False)
             merge = tt_linear_macs(0, self.in_modes, self.out_modes, self.ranks, True)
             return rows * per_row + calls * merge
@@ -66,7 +68,7 @@ class LayerSpec:
 
     def macs_per_row(self) -> int:
         """Multiply-adds per input row, leaving out batch-independent core merges."""
-        if self.format == TT:
+        if self.format in TT_CHAINS:
             return tt_linear_macs(1, self.in_modes, self.out_modes, self.ranks, False)
         return self.macs(1)
 
@@ -89,9 +91,11 @@ def auto_modes(
     order: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The modes the layer constructor would pick (user-given modes win)."""
-    if order is None and fmt != TT and (in_modes or out_modes):
+    if fmt == LOWRANK:
+        order = 1
+    elif order is None and fmt != TT and (in_modes or out_modes):
         order = len(in_modes or out_modes)
-    if fmt == TT:
+    if fmt in TT_CHAINS:
         auto_in, auto_out = tt_linear_modes(cand.in_features, cand.out_features, order)
     elif fmt == TTM:
         auto_out, auto_in = ttm_modes(cand.out_features, cand.in_features, order)
@@ -112,3 +116,8 @@ def make_spec(
                      tuple(out_modes), (), cand.bias and not cand.is_embedding)
     ranks = clip_ranks(spec.chain_dims, rank) if isinstance(rank, int) else list(rank)
     return LayerSpec(**{**spec.__dict__, "ranks": tuple(ranks)})
+
+
+def max_useful_rank(spec: LayerSpec) -> int:
+    """The rank cap above which no bond grows (the widest matricization)."""
+    return max(clip_ranks(spec.chain_dims, math.prod(spec.chain_dims)))

@@ -30,7 +30,7 @@ from .cache import get_plan
 from .embedding import embedding_plan
 from .networks import tt_linear_network, ttm_linear_network
 
-_NETWORKS = {"tt": tt_linear_network, "ttm": ttm_linear_network}
+_NETWORKS = {"tt": tt_linear_network, "lowrank": tt_linear_network, "ttm": ttm_linear_network}
 
 _lib = torch.library.Library("comera", "DEF")
 _lib.define(

@@ -1,0 +1,164 @@
+"""TT orders 1 (low-rank) to 4: outputs and gradients equal to the dense reconstruction,
+and layer_config forcing an order or the low-rank format."""
+
+import pytest
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.nn import LowRankLinear, TTLinear
+
+
+def _layer(order: int) -> TTLinear:
+    torch.manual_seed(order)
+    if order == 1:
+        layer = LowRankLinear(48, 40, ranks=5)
+    else:
+        layer = TTLinear(48, 40, ranks=5, order=order)
+    layer = layer.double()
+    with torch.no_grad():
+        for gate in layer.gates:
+            gate.uniform_(0.5, 1.5)
+    return layer
+
+
+@pytest.mark.parametrize("order", [1, 2, 3, 4])
+def test_order_output_and_gradients_match_dense(order):
+    layer = _layer(order)
+    assert len(layer.in_modes) == len(layer.out_modes) == order
+    x = torch.randn(7, 48, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(7, 40, dtype=torch.float64)
+
+    y = layer(x)
+    torch.testing.assert_close(y, x @ layer.to_dense().T + layer.bias, rtol=1e-10, atol=1e-10)
+    ((y - target) ** 2).sum().backward()
+    planned = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    dense = x @ layer.to_dense().T + layer.bias  # autograd through the reconstruction
+    ((dense - target) ** 2).sum().backward()
+    reference = [x.grad] + [p.grad for p in layer.parameters()]
+    assert len(planned) == len(reference) == 1 + 2 * order + (2 * order - 1) + 1
+    for got, want in zip(planned, reference):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_lowrank_is_u_times_v():
+    layer = _layer(1)
+    u, v = layer.cores[0][0], layer.cores[1][..., 0]  # (in, r), (r, out)
+    gate = layer.gates[0]
+    torch.testing.assert_close(layer.to_dense(), ((u * gate) @ v).T)
+    assert layer.rank == 5
+    assert sum(p.numel() for p in layer.parameters()) == 5 * (48 + 40) + 5 + 40
+
+
+def test_lowrank_from_dense_is_truncated_svd():
+    torch.manual_seed(0)
+    dense = nn.Linear(20, 16).double()
+    layer = LowRankLinear.from_dense(dense, ranks=6)
+    s = torch.linalg.svdvals(dense.weight.detach())
+    err = torch.linalg.matrix_norm(layer.to_dense() - dense.weight.detach())
+    torch.testing.assert_close(err, s[6:].norm())  # Eckart-Young: the best rank-6 error
+
+
+def test_lowrank_refuses_several_modes():
+    with pytest.raises(ValueError, match="one mode per side"):
+        LowRankLinear(48, 40, ranks=4, order=2)
+    with pytest.raises(ValueError, match="one mode per side"):
+        LowRankLinear(48, 40, ranks=4, in_modes=[6, 8])
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64))
+
+
+@pytest.mark.parametrize(
+    ("config", "cls", "modes"),
+    [
+        ({"format": "lowrank"}, LowRankLinear, ((64,), (96,))),
+        ({"order": 2}, TTLinear, ((8, 8), (8, 12))),
+        ({"order": 3}, TTLinear, ((4, 4, 4), (4, 4, 6))),
+    ],
+)
+def test_layer_config_forces_order_or_lowrank(config, cls, modes):
+    model = cc.optimize(_mlp(), layer_config={"0": {**config, "ranks": 4}}, compile=False)
+    layer = model.get_submodule("0")
+    assert type(layer) is cls
+    assert (layer.in_modes, layer.out_modes) == modes
+    x = torch.randn(5, 64)
+    hidden = torch.relu(x @ layer.to_dense().T + layer.bias)
+    torch.testing.assert_close(model(x), model.get_submodule("2")(hidden))
+
+
+def test_optimize_lowrank_format_dense_init_is_exact_at_full_rank():
+    dense = _mlp().double()
+    model = cc.optimize(dense, format="lowrank", init="dense", max_rank=64, compile=False)
+    assert all(isinstance(m, LowRankLinear) for m in cc.nn.tensorized_layers(model).values())
+    x = torch.randn(3, 64, dtype=torch.float64)
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-9, atol=1e-9)
+    reasons = {r["order_reason"] for r in cc.summary(model).records}
+    assert reasons == {"one mode per side: format='lowrank' (W = U V)"}
+
+
+# ----- order choice by planned training cost ----------------------------------------------
+def _candidate(fan_in: int, fan_out: int):
+    from comera_compile.passes.candidates import find_candidates
+
+    return find_candidates(nn.Sequential(nn.Linear(fan_in, fan_out)))[0]
+
+
+@pytest.mark.parametrize(("shape", "default", "cap", "rows"), [
+    ((768, 768), 3, 8, 32), ((768, 768), 3, 8, 512), ((64, 96), 2, 30, 32), ((64, 96), 2, 30, 512),
+])
+def test_order_choice_is_the_cheapest_planned_training_step(shape, default, cap, rows):
+    from comera_compile.passes.order import choose_tt_order, planned_training_cost
+
+    choice = choose_tt_order(_candidate(*shape), cap, rows)
+    reference = next(o for o in choice.options if o.order == default)
+    assert max(reference.spec.ranks) == cap  # the default order sets the parameter count
+    reference = reference.params
+    assert {o.order for o in choice.options} == {2, 3, 4}
+    for option in choice.options:  # similar expressiveness: about the same parameters
+        assert 0.8 * reference <= option.params <= reference
+        assert option.cost == planned_training_cost(option.spec, rows)
+    assert choice.chosen.cost == min(o.cost for o in choice.options)
+    assert f"order {choice.chosen.order}" not in choice.reason.split(" vs ")[-1]
+
+
+def test_order_choice_changes_with_the_batch():
+    from comera_compile.passes.order import choose_tt_order
+
+    cand = _candidate(768, 768)
+    assert [choose_tt_order(cand, 8, rows).chosen.order for rows in (1, 32, 512)] == [2, 3, 2]
+    cand = _candidate(64, 96)
+    assert [choose_tt_order(cand, 30, rows).chosen.order for rows in (32, 512)] == [2, 4]
+
+
+def test_order_choice_follows_the_cost_model(monkeypatch):
+    """Swap the cost model for one that favours a given order: the choice must follow it."""
+    from comera_compile.passes import order
+
+    for favourite in (2, 3, 4):
+        monkeypatch.setattr(order, "planned_training_cost",
+                            lambda spec, *a, f=favourite: abs(len(spec.in_modes) - f))
+        assert order.choose_tt_order(_candidate(768, 768), 16, 64).chosen.order == favourite
+
+
+def test_optimize_reports_the_order_and_layer_config_overrides_it():
+    x = torch.randn(512, 64)
+    model = cc.optimize(_mlp(), example_inputs=x, compile=False, max_rank=30,
+                        layer_config={"2": {"order": 3}})
+    auto, forced = model.get_submodule("0"), model.get_submodule("2")
+    assert len(forced.in_modes) == 3
+    assert len(auto.in_modes) == 4  # cheapest planned step for 64x96 at 512 rows (above)
+    records = {r["name"]: r for r in cc.summary(model).records}
+    assert records["0"]["order"] == 4
+    assert records["0"]["order_reason"].startswith("order 4: lowest planned training cost")
+    assert records["2"]["order_reason"] == "set in layer_config (order)"
+    table = str(cc.summary(model))
+    assert "order (modes per side) chosen:" in table
+    hidden = torch.relu(x @ auto.to_dense().T + auto.bias)
+    torch.testing.assert_close(model(x), hidden @ forced.to_dense().T + forced.bias,
+                               rtol=1e-4, atol=1e-5)
