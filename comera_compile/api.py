@@ -158,6 +158,11 @@ def optimize(
         max_rank,
     )
     weights = None
+    if init == "dense" and on_meta(target):
+        raise ValueError(
+            "the model is on the meta device, so there is no weight to decompose with "
+            "init='dense'; use init='random' (train from scratch) or build the model for real"
+        )
     if init == "dense" and example_inputs is not None and budget is not None:
         weights = output_weights(target, example_inputs, [o.cand for o in options])
     selection = select_layers(options, skipped, budget, before, max_rank, init, weights)
