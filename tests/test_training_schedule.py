@@ -96,6 +96,21 @@ def test_short_run_tracks_the_budget_and_ends_at_target():
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0]  # the task still learned
 
 
+def test_prune_every_none_reaches_the_target_without_changing_shapes():
+    """For wrappers that fix shapes (FSDP): channels are switched off, never cut."""
+    x, y = data()
+    model = small_model()
+    shapes = [p.shape for p in model.parameters()]
+    opt = torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-3, lr_rest=1e-2))
+    trainer = RankAdaptiveTrainer(
+        model, opt, early_steps=20, prune_every=None, target_ratio=0.4, total_steps=60
+    )
+    run(model, opt, trainer, x, y, 60)
+    assert trainer.target_reached
+    assert [p.shape for p in model.parameters()] == shapes
+    assert model[0].effective_ranks() != model[0].ranks
+
+
 # ----- which channels go -------------------------------------------------------------------
 def test_removal_takes_the_smallest_energy_shares_and_stops_at_the_excess():
     layer = TTLinear(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4]).double()

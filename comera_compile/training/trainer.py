@@ -10,7 +10,9 @@
 ``loss`` adds the terms of the current stage; ``step`` does the bookkeeping: dead rank
 channels are frozen at exactly zero (with their optimizer state, so momentum cannot bring
 them back), channels are pruned for real every ``prune_every`` steps and at the stage
-switch, the late stage starts when due, and the history is recorded.
+switch, the late stage starts when due, and the history is recorded. ``prune_every=None``
+never changes a parameter's shape (dead channels are only frozen at zero), for wrappers
+that fix shapes at wrap time (FSDP, a framework's own DDP); prune once after training.
 
 The late stage needs targets. Size ``S`` is ``model_size`` (parameters, or bytes with
 ``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` at late-stage start,
@@ -191,9 +193,10 @@ class RankAdaptiveTrainer:
         self.last_pruned = {}
         if self._stage == EARLY and (due or plateaued):
             self.start_late_stage(counts)
-        elif self._stage == LATE and self._prune_due():
+        elif self._stage == LATE and self._budget_check_due():
             self._meet_budget(counts)
-            self.prune()
+            if self.prune_every:
+                self.prune()
         elif self.prune_every and self.steps % self.prune_every == 0:
             self.prune()
         self._counts = counts
@@ -214,9 +217,11 @@ class RankAdaptiveTrainer:
         return self.last_pruned
 
     def start_late_stage(self, counts: list[int] | None = None) -> None:
-        """Switch to the late stage now: prune, then fix ``S_t``, ``L_t`` and the R scale."""
+        """Switch to the late stage now: prune (unless ``prune_every=None``), then fix
+        ``S_t``, ``L_t``, the R scale and the budget schedule."""
         counts = self._read()[0] if counts is None else counts
-        self.prune()
+        if self.prune_every:
+            self.prune()
         self.size_start = self._size_of(counts)
         if self.target_bytes is not None:
             self.size_target = float(self.target_bytes)
@@ -306,8 +311,13 @@ class RankAdaptiveTrainer:
             sizes = [s * u for s, u in zip(sizes, units)]
         return sum(sizes) + self._other
 
-    def _prune_due(self) -> bool:
-        if self.prune_every and self.steps % self.prune_every == 0:
+    def _budget_check_due(self) -> bool:
+        """Prune points, and where the schedule must hold: its end and the last step (with
+        ``prune_every=None``, ten checks over the late stage, masking only)."""
+        every = self.prune_every
+        if not every and self.schedule is not None:
+            every = max(1, (self.schedule.end - self.schedule.begin) // 10)
+        if every and self.steps % every == 0:
             return True
         return self.schedule is not None and self.steps in (self.schedule.end, self.total_steps)
 
