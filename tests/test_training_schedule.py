@@ -278,3 +278,31 @@ def test_rank_terms_trace_as_one_graph_and_lam_is_an_input_not_a_constant():
         torch.testing.assert_close(values[lam], trainer.loss(task))
     assert len(graphs) == 1
     assert values[0.0] < values[1.0]  # lam = 1 weighs R (about 1 here) over the task loss 0.7
+
+
+def test_one_host_transfer_per_step_and_none_in_loss(monkeypatch):
+    x, y = data()
+    model = small_model()
+    opt = torch.optim.AdamW(param_groups(model))
+    trainer = RankAdaptiveTrainer(model, opt, early_steps=3, prune_every=None, total_steps=900)
+    run(model, opt, trainer, x, y, 4)  # into the late stage; no budget check at steps 5, 6
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(2):  # late-stage steps, between budget checks
+        task = F.cross_entropy(model(x), y)
+        reads.clear()
+        loss = trainer.loss(task)
+        assert reads == []
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        reads.clear()
+        trainer.step()
+        assert reads == ["tolist"]

@@ -184,7 +184,7 @@ class RankAdaptiveTrainer:
         """Bookkeeping after ``optimizer.step()``: freeze dead channels, prune, maybe switch
         stage, set the next step's ``lam``, record."""
         self.steps += 1
-        counts, task_loss = self._read()
+        counts, task_loss, rank_loss = self._read()
         lift_short_bonds(self.bank, counts, self.min_rank)
         died = [b for b, c in enumerate(counts) if c < self._counts[b]]
         freeze_dead(self.bank, died, self.optimizer)
@@ -205,7 +205,7 @@ class RankAdaptiveTrainer:
             self.lam = self._switch(task_loss, size)
             self._lam.fill_(self.lam)
         if self._history is not None:
-            self._record(counts, size, task_loss)
+            self._record(counts, size, task_loss, rank_loss)
         self._pending = {}
 
     # ----- stage control ------------------------------------------------------------------
@@ -277,18 +277,21 @@ class RankAdaptiveTrainer:
         self._size_norm = like.new_ones(())
         self._tensors_ready = True
 
-    def _read(self) -> tuple[list[int], float | None]:
-        """Live channels per bond and the task loss: the step's one device-to-host transfer
-        (under DDP the loss is averaged over ranks first, as the concatenated batch's)."""
+    def _read(self) -> tuple[list[int], float | None, float | None]:
+        """Live channels per bond, the task loss and the rank terms: the step's one
+        device-to-host transfer (under DDP the task loss is first averaged over ranks, as
+        the concatenated batch's; the rest is equal on every rank)."""
         counts = self.bank.alive_counts() if len(self.bank) else torch.zeros(0)
-        loss = self._pending.get("task_loss")
-        packed = counts if loss is None else torch.cat([counts, loss.reshape(1).to(counts)])
-        if loss is not None:
+        losses = [self._pending.get(k) for k in ("rank_loss", "task_loss")]
+        known = [v.reshape(1).to(counts) for v in losses if v is not None]
+        packed = torch.cat([counts, *known])
+        if losses[1] is not None:
             packed = self.collective.mean_last(packed)
         host = packed.tolist()
-        if loss is None:
-            return [int(c) for c in host], None
-        return [int(c) for c in host[:-1]], host[-1]
+        n = len(self.bank)
+        tail = iter(host[n:])
+        rank_loss, task_loss = (None if v is None else next(tail) for v in losses)
+        return [int(c) for c in host[:n]], task_loss, rank_loss
 
     def _other_size(self) -> int:
         """Parameters (or bytes) outside the tensorized cores and gates; shapes never change."""
@@ -339,9 +342,10 @@ class RankAdaptiveTrainer:
             return self.lam
         return size_weight(task_loss, self.task_loss_target, size, self.budget(self.steps + 1))
 
-    def _record(self, counts: list[int], size: int, task_loss: float | None) -> None:
+    def _record(
+        self, counts: list[int], size: int, task_loss: float | None, rank_loss: float | None
+    ) -> None:
         ranks = self.bank.ranks(counts)
-        rank_loss = self._pending.get("rank_loss")
         dense = sum(lay.dense_parameters for lay in self.bank.layers)
         cores = sum(
             lay.num_core_parameters(ranks[name])
@@ -351,7 +355,7 @@ class RankAdaptiveTrainer:
             step=self.steps,
             stage=self._stage,
             task_loss=task_loss,
-            rank_loss=None if rank_loss is None else float(rank_loss),
+            rank_loss=rank_loss,
             lam=self.lam if self._stage == LATE else None,
             budget=self.budget(),
             params=model_size(unwrap(self.model), ranks=ranks) if self.in_bytes else size,
