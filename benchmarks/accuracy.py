@@ -5,8 +5,9 @@ an MLP ``in -> 256 -> 256 -> classes``, and the six-encoder classifier on the sy
 sentence-pair task (fresh held-out examples). Each dense model is trained as is; its
 compressed twin is ``optimize(model, budget=...)`` trained with ``RankAdaptiveTrainer``
 for the same number of steps, knowing the run's length, so the late stage reaches its
-size target by the end. Compression is the tensorized layers' dense weights over their
-TT cores at the final ranks; "model" is all parameters, dense vs compressed.
+size target by the end: the tensorized layers 12x smaller than the dense weights they
+replace (``target_params``; layers left dense count as they are). "TT layers" is their
+dense weights over their TT cores at the final ranks; "model" is all parameters.
 
     PYTHONPATH=. python benchmarks/accuracy.py            # all four rows
     PYTHONPATH=. python benchmarks/accuracy.py --only wine breast_cancer
@@ -36,7 +37,10 @@ from comera_compile.training import (  # noqa: E402
     RankAdaptiveTrainer,
     param_groups,
     tensorized_compression,
+    tensorized_layers,
 )
+
+COMPRESSION = 12.0  # tensorized layers: dense weights / (TT cores + gates) at the end
 
 
 # ----- data ----------------------------------------------------------------------------------
@@ -99,7 +103,10 @@ def fit(model, train, steps, batch, seed, lr, rank_options=None, desc=""):
     opt = torch.optim.AdamW(groups if rank_options else model.parameters(), lr=lr)
     trainer = None
     if rank_options:
-        trainer = RankAdaptiveTrainer(model, opt, total_steps=steps, **rank_options)
+        target = target_params(model, COMPRESSION)
+        trainer = RankAdaptiveTrainer(
+            model, opt, total_steps=steps, target_params=target, **rank_options
+        )
     model.train()
     for x, y in tqdm(batches(train, batch, steps, seed), total=steps, desc=desc, leave=False):
         loss = F.cross_entropy(model(x), y)
@@ -114,6 +121,15 @@ def fit(model, train, steps, batch, seed, lr, rank_options=None, desc=""):
         trainer.prune()
     model.eval()
     return trainer
+
+
+def target_params(model: nn.Module, compression: float) -> int:
+    """The model size at which its tensorized layers are ``compression`` times smaller than
+    the dense weights they replace (the rest of the model counted as it is)."""
+    layers = tensorized_layers(model).values()
+    inside = {id(p) for layer in layers for p in (*layer.cores, *layer.gates)}
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    return rest + int(sum(layer.dense_parameters for layer in layers) / compression)
 
 
 @torch.no_grad()
@@ -150,10 +166,10 @@ def compare(name, dense, train, test, steps, batch, lr, budget, rank_options, se
 
 
 def pair_task_row(steps: int, seed: int) -> list[str]:
-    """A small six-encoder (2 layers, hidden 256) on fresh pair-task batches."""
+    """A small six-encoder (2 layers, hidden 192) on fresh pair-task batches."""
     task = PairTask(vocab_size=2048)
     config = SixEncoderConfig(
-        vocab_size=2048, hidden=256, layers=2, heads=4, ffn=1024, dropout=0.0, max_position=64
+        vocab_size=2048, hidden=192, layers=2, heads=4, ffn=768, dropout=0.0, max_position=64
     )
     ids, types, labels = task.batch(2000, torch.Generator().manual_seed(99))
     test = ((ids, types), labels)
@@ -164,7 +180,7 @@ def pair_task_row(steps: int, seed: int) -> list[str]:
 
     torch.manual_seed(seed)
     dense = PairClassifier(config)
-    options = {"early_steps": steps // 2, "prune_every": 100, "target_ratio": 0.5}
+    options = {"early_steps": steps // 2, "prune_every": 100}
     return compare("pair_task", dense, (fresh, None), test, steps, 32, 3e-4, 0.1, options, seed)
 
 
@@ -179,7 +195,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--only", nargs="*", default=None, help="rows to run (default: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pair-steps", type=int, default=1500)
+    p.add_argument("--pair-steps", type=int, default=1000)
     args = p.parse_args()
     print(describe_machine())
     torch.set_num_threads(1)  # small matmuls: more threads only contend
@@ -192,7 +208,7 @@ def main() -> None:
             classes = int(train[1].max()) + 1
             torch.manual_seed(args.seed)
             dense = mlp(train[0].shape[1], classes)
-            options = {"early_steps": steps // 2, "prune_every": 50, "target_ratio": 0.25}
+            options = {"early_steps": steps // 2, "prune_every": 50}
             row = compare(name, dense, train, test, steps, batch, lr, 0.2, options, args.seed)
         elif name == "pair_task":
             row = pair_task_row(args.pair_steps, args.seed)

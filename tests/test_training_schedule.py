@@ -96,6 +96,21 @@ def test_short_run_tracks_the_budget_and_ends_at_target():
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0]  # the task still learned
 
 
+def test_prune_every_none_reaches_the_target_without_changing_shapes():
+    """For wrappers that fix shapes (FSDP): channels are switched off, never cut."""
+    x, y = data()
+    model = small_model()
+    shapes = [p.shape for p in model.parameters()]
+    opt = torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-3, lr_rest=1e-2))
+    trainer = RankAdaptiveTrainer(
+        model, opt, early_steps=20, prune_every=None, target_ratio=0.4, total_steps=60
+    )
+    run(model, opt, trainer, x, y, 60)
+    assert trainer.target_reached
+    assert [p.shape for p in model.parameters()] == shapes
+    assert model[0].effective_ranks() != model[0].ranks
+
+
 # ----- which channels go -------------------------------------------------------------------
 def test_removal_takes_the_smallest_energy_shares_and_stops_at_the_excess():
     layer = TTLinear(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4]).double()
@@ -263,3 +278,31 @@ def test_rank_terms_trace_as_one_graph_and_lam_is_an_input_not_a_constant():
         torch.testing.assert_close(values[lam], trainer.loss(task))
     assert len(graphs) == 1
     assert values[0.0] < values[1.0]  # lam = 1 weighs R (about 1 here) over the task loss 0.7
+
+
+def test_one_host_transfer_per_step_and_none_in_loss(monkeypatch):
+    x, y = data()
+    model = small_model()
+    opt = torch.optim.AdamW(param_groups(model))
+    trainer = RankAdaptiveTrainer(model, opt, early_steps=3, prune_every=None, total_steps=900)
+    run(model, opt, trainer, x, y, 4)  # into the late stage; no budget check at steps 5, 6
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(2):  # late-stage steps, between budget checks
+        task = F.cross_entropy(model(x), y)
+        reads.clear()
+        loss = trainer.loss(task)
+        assert reads == []
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        reads.clear()
+        trainer.step()
+        assert reads == ["tolist"]

@@ -16,11 +16,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
-from comera_compile.nn import TensorizedLayer, tensorized_layers
-from comera_compile.nn.gates import alive
+from comera_compile.nn import tensorized_layers
 from comera_compile.training.bank import GateBank
 
 
@@ -34,13 +32,6 @@ def rank_penalty(model: nn.Module, weight: float = 0.01, l2_weight: float = 0.0)
 def core_l2(model: nn.Module) -> Tensor:
     """Sum of squared core entries over all tensorized layers."""
     return GateBank(model).core_l2()
-
-
-def soft_ranks(layer: TensorizedLayer) -> list[Tensor]:
-    """``[1, s_1, ..., s_{L-1}, 1]`` with ``s_k`` the summed ``|g|`` of bond k's active entries."""
-    one = layer.gates[0].new_ones(()) if len(layer.gates) else torch.ones(())
-    inner = [(g.abs() * alive(g, layer.threshold)).sum() for g in layer.gates]
-    return [one, *inner, one]
 
 
 def soft_size(model: nn.Module) -> Tensor:

@@ -10,7 +10,9 @@
 ``loss`` adds the terms of the current stage; ``step`` does the bookkeeping: dead rank
 channels are frozen at exactly zero (with their optimizer state, so momentum cannot bring
 them back), channels are pruned for real every ``prune_every`` steps and at the stage
-switch, the late stage starts when due, and the history is recorded.
+switch, the late stage starts when due, and the history is recorded. ``prune_every=None``
+never changes a parameter's shape (dead channels are only frozen at zero), for wrappers
+that fix shapes at wrap time (FSDP, a framework's own DDP); prune once after training.
 
 The late stage needs targets. Size ``S`` is ``model_size`` (parameters, or bytes with
 ``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` at late-stage start,
@@ -182,7 +184,7 @@ class RankAdaptiveTrainer:
         """Bookkeeping after ``optimizer.step()``: freeze dead channels, prune, maybe switch
         stage, set the next step's ``lam``, record."""
         self.steps += 1
-        counts, task_loss = self._read()
+        counts, task_loss, rank_loss = self._read()
         lift_short_bonds(self.bank, counts, self.min_rank)
         died = [b for b, c in enumerate(counts) if c < self._counts[b]]
         freeze_dead(self.bank, died, self.optimizer)
@@ -191,9 +193,10 @@ class RankAdaptiveTrainer:
         self.last_pruned = {}
         if self._stage == EARLY and (due or plateaued):
             self.start_late_stage(counts)
-        elif self._stage == LATE and self._prune_due():
+        elif self._stage == LATE and self._budget_check_due():
             self._meet_budget(counts)
-            self.prune()
+            if self.prune_every:
+                self.prune()
         elif self.prune_every and self.steps % self.prune_every == 0:
             self.prune()
         self._counts = counts
@@ -202,7 +205,7 @@ class RankAdaptiveTrainer:
             self.lam = self._switch(task_loss, size)
             self._lam.fill_(self.lam)
         if self._history is not None:
-            self._record(counts, size, task_loss)
+            self._record(counts, size, task_loss, rank_loss)
         self._pending = {}
 
     # ----- stage control ------------------------------------------------------------------
@@ -214,9 +217,11 @@ class RankAdaptiveTrainer:
         return self.last_pruned
 
     def start_late_stage(self, counts: list[int] | None = None) -> None:
-        """Switch to the late stage now: prune, then fix ``S_t``, ``L_t`` and the R scale."""
+        """Switch to the late stage now: prune (unless ``prune_every=None``), then fix
+        ``S_t``, ``L_t``, the R scale and the budget schedule."""
         counts = self._read()[0] if counts is None else counts
-        self.prune()
+        if self.prune_every:
+            self.prune()
         self.size_start = self._size_of(counts)
         if self.target_bytes is not None:
             self.size_target = float(self.target_bytes)
@@ -272,18 +277,21 @@ class RankAdaptiveTrainer:
         self._size_norm = like.new_ones(())
         self._tensors_ready = True
 
-    def _read(self) -> tuple[list[int], float | None]:
-        """Live channels per bond and the task loss: the step's one device-to-host transfer
-        (under DDP the loss is averaged over ranks first, as the concatenated batch's)."""
+    def _read(self) -> tuple[list[int], float | None, float | None]:
+        """Live channels per bond, the task loss and the rank terms: the step's one
+        device-to-host transfer (under DDP the task loss is first averaged over ranks, as
+        the concatenated batch's; the rest is equal on every rank)."""
         counts = self.bank.alive_counts() if len(self.bank) else torch.zeros(0)
-        loss = self._pending.get("task_loss")
-        packed = counts if loss is None else torch.cat([counts, loss.reshape(1).to(counts)])
-        if loss is not None:
+        losses = [self._pending.get(k) for k in ("rank_loss", "task_loss")]
+        known = [v.reshape(1).to(counts) for v in losses if v is not None]
+        packed = torch.cat([counts, *known])
+        if losses[1] is not None:
             packed = self.collective.mean_last(packed)
         host = packed.tolist()
-        if loss is None:
-            return [int(c) for c in host], None
-        return [int(c) for c in host[:-1]], host[-1]
+        n = len(self.bank)
+        tail = iter(host[n:])
+        rank_loss, task_loss = (None if v is None else next(tail) for v in losses)
+        return [int(c) for c in host[:n]], task_loss, rank_loss
 
     def _other_size(self) -> int:
         """Parameters (or bytes) outside the tensorized cores and gates; shapes never change."""
@@ -306,8 +314,13 @@ class RankAdaptiveTrainer:
             sizes = [s * u for s, u in zip(sizes, units)]
         return sum(sizes) + self._other
 
-    def _prune_due(self) -> bool:
-        if self.prune_every and self.steps % self.prune_every == 0:
+    def _budget_check_due(self) -> bool:
+        """Prune points, and where the schedule must hold: its end and the last step (with
+        ``prune_every=None``, ten checks over the late stage, masking only)."""
+        every = self.prune_every
+        if not every and self.schedule is not None:
+            every = max(1, (self.schedule.end - self.schedule.begin) // 10)
+        if every and self.steps % every == 0:
             return True
         return self.schedule is not None and self.steps in (self.schedule.end, self.total_steps)
 
@@ -329,9 +342,10 @@ class RankAdaptiveTrainer:
             return self.lam
         return size_weight(task_loss, self.task_loss_target, size, self.budget(self.steps + 1))
 
-    def _record(self, counts: list[int], size: int, task_loss: float | None) -> None:
+    def _record(
+        self, counts: list[int], size: int, task_loss: float | None, rank_loss: float | None
+    ) -> None:
         ranks = self.bank.ranks(counts)
-        rank_loss = self._pending.get("rank_loss")
         dense = sum(lay.dense_parameters for lay in self.bank.layers)
         cores = sum(
             lay.num_core_parameters(ranks[name])
@@ -341,7 +355,7 @@ class RankAdaptiveTrainer:
             step=self.steps,
             stage=self._stage,
             task_loss=task_loss,
-            rank_loss=None if rank_loss is None else float(rank_loss),
+            rank_loss=rank_loss,
             lam=self.lam if self._stage == LATE else None,
             budget=self.budget(),
             params=model_size(unwrap(self.model), ranks=ranks) if self.in_bytes else size,
