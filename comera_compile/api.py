@@ -103,10 +103,11 @@ def optimize(
     the forward: layers it never calls stay dense, and flops budgets become possible.
     ``init="dense"`` starts from a TT-SVD of the current weights (for pretrained models);
     ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
-    ``compile=True`` (the default) wraps the result in ``torch.compile(backend="comera")``
-    (compiled on the first call, once per batch size and per rank change); ``compile=False``
-    returns the eager module. ``autotune=True`` times the best few contraction orders of
-    each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
+    ``compile=True`` (the default) compiles the result in place with
+    ``Module.compile(backend="comera")`` (on the first call, once per batch size and per rank
+    change; the class is kept); ``compile=False`` returns the eager module.
+    ``autotune=True`` times the best few contraction orders of each layer on first use;
+    ``objective`` is the planner's cost (cotengra's ``"combo"``).
     A model built under ``torch.device("meta")`` (too big to build dense) takes
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer
@@ -114,18 +115,17 @@ def optimize(
     """
     _check_arguments(model, init, format, max_rank, objective)
     budget = parse_budget(budget)
-    work = model if inplace else copy.deepcopy(model)
-    attentions = split_attention(work)
-    captured = capture(work, example_inputs)
-    target = work
+    target = model if inplace else copy.deepcopy(model)
+    attentions = split_attention(target)  # its projections become ordinary Linear layers
+    captured = capture(target, example_inputs)  # analysis only: layers are swapped in target
     candidates = find_candidates(target)
-    _check_dtypes(candidates)
     if not candidates:
         kinds = sorted({type(m).__name__ for m in target.modules() if m is not target})
         raise ValueError(
             "the model has no nn.Linear, nn.Embedding or nn.EmbeddingBag layer to tensorize "
             f"(it holds {', '.join(kinds) or 'no submodules'})"
         )
+    _check_dtypes(candidates)
     shapes = None
     called = captured.called
     if example_inputs is not None:
@@ -168,11 +168,13 @@ def optimize(
         _returned(target, captured.graph_exact),
     )
     setattr(target, REPORT_ATTR, report)
-    if not compile:
-        return target
-    from comera_compile.compile import compile_model  # imports inductor: only when asked
+    if compile:  # in place (nn.Module.compile), so the result stays the user's class
+        from comera_compile.compile.model import RECOMPILE_LIMIT  # imports inductor: on demand
 
-    return compile_model(target)
+        dynamo = torch._dynamo.config  # each prune and batch size is a graph: leave room
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        target.compile(backend="comera", dynamic=False)
+    return target
 
 
 def _returned(model: nn.Module, graph_exact: str) -> str:
