@@ -105,9 +105,10 @@ def optimize(
     the forward: layers it never calls stay dense, and flops budgets become possible.
     ``init="dense"`` starts from a TT-SVD of the current weights (for pretrained models);
     ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
-    ``compile=True`` (the default) wraps the result in ``torch.compile(backend="comera")``
-    (compiled on the first call, once per batch size and per rank change); ``compile=False``
-    returns the eager module. ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
+    ``compile=True`` (the default) compiles the result in place with
+    ``Module.compile(backend="comera")`` (on the first call, one graph per batch-size bucket
+    and per rank change; the class is kept); ``compile=False`` returns the eager module.
+    ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
     fastest per row, least accurate at high compression). ``autotune=True`` times the best
@@ -123,18 +124,17 @@ def optimize(
     if memory != "default" and not compile:
         raise ValueError(f"memory={memory!r} acts while compiling; pass compile=True")
     budget = parse_budget(budget)
-    work = model if inplace else copy.deepcopy(model)
-    attentions = split_attention(work)
-    captured = capture(work, example_inputs)
-    target = work
+    target = model if inplace else copy.deepcopy(model)
+    attentions = split_attention(target)  # its projections become ordinary Linear layers
+    captured = capture(target, example_inputs)  # analysis only: layers are swapped in target
     candidates = find_candidates(target)
-    _check_dtypes(candidates)
     if not candidates:
         kinds = sorted({type(m).__name__ for m in target.modules() if m is not target})
         raise ValueError(
             "the model has no nn.Linear, nn.Embedding or nn.EmbeddingBag layer to tensorize "
             f"(it holds {', '.join(kinds) or 'no submodules'})"
         )
+    _check_dtypes(candidates)
     shapes = None
     called = captured.called
     if example_inputs is not None:
@@ -186,11 +186,11 @@ def optimize(
         _returned(target, captured.graph_exact),
     )
     setattr(target, REPORT_ATTR, report)
-    if not compile:
-        return target
-    from comera_compile.compile import compile_model  # imports inductor: only when asked
+    if compile:  # in place (nn.Module.compile), so the result stays the user's class
+        from comera_compile.compile import compile_model  # imports inductor: on demand
 
-    return compile_model(target, memory=memory)
+        compile_model(target, memory=memory, in_place=True)
+    return target
 
 
 def _returned(model: nn.Module, graph_exact: str) -> str:

@@ -47,6 +47,8 @@ def test_result_keeps_class_methods_attributes_and_eval_is_deterministic():
     assert "reads self.training" in table
     with pytest.raises(ValueError, match="reads self.training"):
         cc.to_graph_module(result)
+    compiled = cc.optimize(model, 0.3)  # compiled in place: still the user's class
+    assert type(compiled) is FunctionalDropout and compiled._compiled_call_impl is not None
 
 
 def test_graph_module_where_exact_shares_parameters():

@@ -12,14 +12,17 @@ from comera_compile.compile.options import parse_options
 RECOMPILE_LIMIT = 64
 
 
-def compile_model(model: nn.Module, dynamic: bool | None = None, **options: Any) -> nn.Module:
+def compile_model(
+    model: nn.Module, dynamic: bool | None = None, in_place: bool = False, **options: Any
+) -> nn.Module:
     """``torch.compile(model, backend="comera", dynamic=dynamic, options=options)``.
 
     ``dynamic=None`` (torch's automatic dynamic shapes): the first batch size compiles a
     static graph; when another one arrives, the batch dimension turns symbolic and the
     tensorized ops guard it to its plan bucket (the next power of two of the rows), so there
     is one graph per bucket, not one per batch size. Options are checked here, before the
-    first call, so a typo fails at once rather than on the first forward.
+    first call, so a typo fails at once rather than on the first forward. ``in_place=True``
+    compiles with ``model.compile`` and returns ``model`` itself (its class is kept).
     ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
@@ -28,4 +31,7 @@ def compile_model(model: nn.Module, dynamic: bool | None = None, **options: Any)
     # every prune and every new batch size is one more graph: leave room for a training run
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+    if in_place:  # nn.Module.compile: the model keeps its class, attributes and methods
+        model.compile(backend="comera", dynamic=dynamic, options=options or None)
+        return model
     return torch.compile(model, backend="comera", dynamic=dynamic, options=options or None)

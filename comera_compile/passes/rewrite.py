@@ -1,8 +1,9 @@
 """Rewrite: build the tensorized layers and put them where the dense ones were.
 
-On a GraphModule the call_module targets keep their names, so swapping the submodules and
-recompiling is enough; on any other model we set the attribute on each parent, so the model
-keeps its own Python forward. New layers keep the dtype and device of the layers they replace.
+We set the attribute on each parent (under every name a layer has), so the model keeps its
+class and its own Python forward. New layers keep the dtype and device of the layers they
+replace. A tied LM head becomes a head on its embedding's cores. ``apply_layouts`` does the
+same from a checkpoint's saved layouts (empty layers, filled by ``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from comera_compile.nn import (
+    DEFAULT_THRESHOLD,
     LowRankLinear,
     SplitMultiheadAttention,
     TensorizedLayer,
@@ -188,7 +190,7 @@ def layer_from_layout(name: str, layout: dict, dense: nn.Module) -> TensorizedLa
             f"model has {what} there; pass a model built with the configuration that was saved"
         )
     weight = dense.weight
-    kwargs = dict(ranks=layout["ranks"][1:-1], threshold=layout.get("threshold", 0.01),
+    kwargs = dict(ranks=layout["ranks"][1:-1], threshold=layout.get("threshold", DEFAULT_THRESHOLD),
                   device="meta", dtype=weight.dtype)
     if fmt == TT_EMBEDDING:
         layer = TTEmbedding(
