@@ -274,9 +274,9 @@ def select_layers(
         if ranks is None:
             why = "not needed to meet the budget"
             if init == "dense":
-                worst = plan.loss(plan.smallest()) / weights.get(name, 1.0)
+                worst = min(1.0, plan.loss(plan.smallest()) / weights.get(name, 1.0))
                 why = (f"kept dense: compressing it loses more per parameter saved than "
-                       f"elsewhere (relative error {math.sqrt(worst):.2f} at rank 1)")
+                       f"elsewhere (relative error up to {math.sqrt(worst):.2f} at rank 1)")
             skipped[name] = why
             continue
         chosen[name] = (option.cand, option.spec(list(ranks)))
