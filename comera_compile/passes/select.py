@@ -204,10 +204,6 @@ def eligible_options(
     return options, skipped
 
 
-def _meets(totals: dict, limits: dict[str, float]) -> bool:
-    return all(totals[m] <= cap for m, cap in limits.items())
-
-
 def _unreachable(budget: Budget, before: dict, smallest: dict, limits: dict) -> ValueError:
     share = smallest["params"] / before["params"]
     parts = [f"{smallest['params']:,} parameters ({share:.1%} of the model)"]
@@ -281,12 +277,9 @@ def select_layers(
     for option, plan, ranks in zip(options, plans, states):
         name = option.cand.name
         if ranks is None:
-            why = "not needed to meet the budget"
-            if init == "dense":
-                worst = plan.loss(plan.smallest()) / weights.get(name, 1.0)
-                why = (f"kept dense: compressing it loses more per parameter saved than "
-                       f"elsewhere (relative error {math.sqrt(worst):.2f} at rank 1)")
-            skipped[name] = why
+            skipped[name] = "not needed to meet the budget" if init != "dense" else (
+                "kept dense: compressing it loses more of its weights per parameter saved "
+                "than the layers chosen; include it to force it")
             continue
         chosen[name] = (option.cand, option.spec(list(ranks)))
         shares[name] = _share(option, plan.change(ranks), limits)
