@@ -123,7 +123,6 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
         "step_s": statistics.median(times[min(5, len(times) - 1):]),
         "log_loss": log_loss(logits, held_labels),
         "auc": auc(logits, held_labels),
-        "tensorized": len(cc.summary(model).records) if row == "comera" else 0,
         "summary": str(cc.summary(model)) if row == "comera" else "",
     }
 
@@ -155,7 +154,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_row(args.child, args)))
         return
-    argv = [a for a in sys.argv[1:]]
+    argv = sys.argv[1:]
     print(describe_machine())
     cards = _cardinalities(args.scale)
     rows_total = sum(cards)
@@ -173,6 +172,8 @@ def main() -> None:
         f"{log_loss(best, hl):.4f}, AUC {auc(best, hl):.4f}; constant CTR: log loss "
         f"{log_loss(torch.full_like(hl, math.log(hl.mean() / (1 - hl.mean()))), hl):.4f}"
     )
+    print("peak MiB: peak RSS during the steps minus RSS before building the model (the peak is "
+          "reset once the model is ready); step: median ms, batches made outside the timer")
     results = []
     for row in args.rows.split(","):
         if row == "torchrec":

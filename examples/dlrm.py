@@ -36,7 +36,10 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.01, help="table rows x this factor")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--budget", default="100x")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: steadier on a shared machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(describe_machine())
     torch.manual_seed(0)
     cards = [max(2, round(n * args.scale)) for n in CRITEO_KAGGLE_CARDINALITIES]
