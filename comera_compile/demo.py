@@ -117,8 +117,8 @@ def _run(steps: int, directory: Path, seed: int, batch: int, progress: bool) -> 
                         progress=progress)
 
     early = steps * 2 // 5
-    print(f"training CoMERA, {steps} steps: {early} early-stage steps (rank gates shrink), "
-          "then a late stage to 60% of the size")
+    print(f"training CoMERA, {steps} steps: {early} early (rank gates shrink), "
+          "then late (prune to 60% of the size)")
     optimizer = torch.optim.AdamW(param_groups(model, lr_cores=1e-3, lr_gates=6e-3, lr_rest=3e-4))
     # l2 on the cores stops them from growing to make up for shrinking gates (a channel
     # switched off at the threshold then carries little); task_target is L_t
