@@ -1,8 +1,8 @@
 """Structured-layer peers at equal parameters: speed and accuracy side by side, in one run.
 
     pip install -e ".[peers]"                # tensorly-torch, scikit-learn, tqdm
-    python benchmarks/peers.py               # about 8 minutes on 2 CPU cores
-    python benchmarks/peers.py --quick       # about 2 minutes: fewer steps and repeats
+    python benchmarks/peers.py               # a few minutes on 2 idle CPU cores
+    python benchmarks/peers.py --quick       # fewer steps and repeats
 
 For each compression level (4x, 16x, 64x fewer weights than ``nn.Linear``), every format is
 sized to its largest setting with at most that many weights (cores, factors and rank gates;
@@ -22,8 +22,8 @@ biases aside):
 Columns: forward + backward time of one 768x768 layer at 32 / 512 / 4096 input rows (median;
 "x" = speed-up over nn.Linear), and test accuracy after the same number of training steps
 (same data, optimizer and learning rate for every format) on two tasks where every hidden
-Linear is replaced: the synthetic sentence-pair task (a 2-layer, 128-wide encoder) and
-scikit-learn's digits (a 64-256-256-10 MLP, head dense). The step counts are small so the
+Linear is replaced: the synthetic sentence-pair task (a 2-layer, 64-wide encoder, batch 32) and
+scikit-learn's digits (a 64-256-256-10 MLP, head dense, batch 64). The step counts are small so the
 whole run fits in minutes on a CPU: the accuracies rank the formats, they are not converged.
 """
 
@@ -217,12 +217,12 @@ def _train(model: nn.Module, batches: Callable[[int], tuple], steps: int, lr: fl
 
 def pair_accuracy(make, steps: int, seed: int = 0) -> float:
     task = PairTask()
-    config = SixEncoderConfig(vocab_size=task.vocab_size, hidden=128, ffn=256, heads=4,
+    config = SixEncoderConfig(vocab_size=task.vocab_size, hidden=64, ffn=128, heads=4,
                               layers=2, max_position=task.seq_len, dropout=0.0)
     torch.manual_seed(seed)
     model = replace_linears(SixEncoderClassifier(config), make, {"fc2"})
     generator = torch.Generator().manual_seed(seed + 1)
-    _train(model, lambda _: task.batch(64, generator), steps, lr=2e-3)
+    _train(model, lambda _: task.batch(32, generator), steps, lr=3e-3)
     ids, types, labels = task.batch(2048, torch.Generator().manual_seed(12345))
     with torch.no_grad():
         return 100.0 * (model(ids, types).argmax(-1) == labels).float().mean().item()
@@ -283,12 +283,12 @@ def main() -> None:
     parser.add_argument("--digits-steps", type=int, default=None)
     args = parser.parse_args()
     repeats = 3 if args.quick else 5
-    pair_steps = args.pair_steps or (100 if args.quick else 300)
-    digits_steps = args.digits_steps or (100 if args.quick else 300)
+    pair_steps = args.pair_steps or (60 if args.quick else 200)
+    digits_steps = args.digits_steps or (60 if args.quick else 200)
     print(describe_machine())
     print(f"forward + backward of one {TIMED_SHAPE[0]}x{TIMED_SHAPE[1]} layer, median of "
           f"{repeats}, ms (speed-up over nn.Linear); test accuracy after {pair_steps} pair-task "
-          f"steps and {digits_steps} digits steps at batch 64 (short runs: not converged)")
+          f"steps and {digits_steps} digits steps (short runs: not converged)")
     formats = list(FORMATS)
     missing = tltorch_status()
     if missing:
