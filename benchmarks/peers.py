@@ -281,14 +281,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--pair-steps", type=int, default=None)
     parser.add_argument("--digits-steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell")
     args = parser.parse_args()
-    repeats = 3 if args.quick else 5
-    pair_steps = args.pair_steps or (60 if args.quick else 200)
-    digits_steps = args.digits_steps or (60 if args.quick else 200)
+    repeats = args.repeats or (3 if args.quick else 5)
+    default_steps = 60 if args.quick else 200
+    pair_steps = default_steps if args.pair_steps is None else args.pair_steps  # 0: skip
+    digits_steps = default_steps if args.digits_steps is None else args.digits_steps
     print(describe_machine())
     print(f"forward + backward of one {TIMED_SHAPE[0]}x{TIMED_SHAPE[1]} layer, median of "
           f"{repeats}, ms (speed-up over nn.Linear); test accuracy after {pair_steps} pair-task "
-          f"steps and {digits_steps} digits steps (short runs: not converged)")
+          f"steps and {digits_steps} digits steps (short runs: not converged; 0 = skipped)")
     formats = list(FORMATS)
     missing = tltorch_status()
     if missing:
@@ -310,13 +312,14 @@ def main() -> None:
         if name == "dense":
             dense_times = times
         OVER_BUDGET.discard(f"{name} at {level}x")
-        pair = pair_accuracy(make, pair_steps)
-        digits = digits_accuracy(make, digits_steps)
+        pair = pair_accuracy(make, pair_steps) if pair_steps else None
+        digits = digits_accuracy(make, digits_steps) if digits_steps else None
         flag = "*" if f"{name} at {level}x" in OVER_BUDGET else ""
         rows.append([
             f"{level}x", name, setting(layer) or "-", f"{weights(layer):,}",
             *(f"{t * 1e3:.2f} ({d / t:.1f}x)" for t, d in zip(times, dense_times)),
-            f"{pair:.1f}{flag}", f"{digits:.1f}{flag}",
+            "-" if pair is None else f"{pair:.1f}{flag}",
+            "-" if digits is None else f"{digits:.1f}{flag}",
         ])
         tqdm.write("  " + " | ".join(rows[-1]))  # partial results survive an interruption
     print()
