@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,11 +186,24 @@ def setting(layer: nn.Module) -> str:
 
 
 # ----- speed -------------------------------------------------------------------------------
-def layer_times(layer: nn.Module, repeats: int) -> list[float]:
+def layer_times(layer: nn.Module, repeats: int, cpu_time: bool = False) -> list[float]:
+    """Median forward + backward seconds at each row count. ``cpu_time`` counts the calling
+    thread's CPU time instead of wall time (run with one torch thread): on a machine shared
+    with other jobs it leaves out the time the process waits for a core."""
     out = []
     for rows in ROWS:
         x = torch.randn(rows, layer.in_features if hasattr(layer, "in_features") else 768)
-        out.append(median_seconds(forward_backward(layer, (x,)), repeats, warmup=1))
+        run = forward_backward(layer, (x,))
+        if not cpu_time:
+            out.append(median_seconds(run, repeats, warmup=1))
+            continue
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            run()
+            times.append(time.thread_time() - start)
+        out.append(statistics.median(times))
     return out
 
 
@@ -282,13 +297,18 @@ def main() -> None:
     parser.add_argument("--pair-steps", type=int, default=None)
     parser.add_argument("--digits-steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time CPU seconds of one thread (for a machine shared with others)")
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 5)
     default_steps = 60 if args.quick else 200
     pair_steps = default_steps if args.pair_steps is None else args.pair_steps  # 0: skip
     digits_steps = default_steps if args.digits_steps is None else args.digits_steps
+    if args.cpu_time:
+        torch.set_num_threads(1)
     print(describe_machine())
-    print(f"forward + backward of one {TIMED_SHAPE[0]}x{TIMED_SHAPE[1]} layer, median of "
+    clock = "CPU time of one thread" if args.cpu_time else "wall time"
+    print(f"forward + backward of one {TIMED_SHAPE[0]}x{TIMED_SHAPE[1]} layer, {clock}, median of "
           f"{repeats}, ms (speed-up over nn.Linear); test accuracy after {pair_steps} pair-task "
           f"steps and {digits_steps} digits steps (short runs: not converged; 0 = skipped)")
     formats = list(FORMATS)
@@ -308,7 +328,7 @@ def main() -> None:
         except ValueError as exc:
             tqdm.write(f"  {exc}")
             continue
-        times = layer_times(layer, repeats)
+        times = layer_times(layer, repeats, args.cpu_time)
         if name == "dense":
             dense_times = times
         OVER_BUDGET.discard(f"{name} at {level}x")
