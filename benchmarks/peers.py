@@ -1,8 +1,8 @@
 """Structured-layer peers at equal parameters: speed and accuracy side by side, in one run.
 
     pip install -e ".[peers]"                # tensorly-torch, scikit-learn, tqdm
-    python benchmarks/peers.py               # about 8 minutes on 2 CPU cores
-    python benchmarks/peers.py --quick       # about 2 minutes: fewer steps and repeats
+    python benchmarks/peers.py               # a few minutes on 2 idle CPU cores
+    python benchmarks/peers.py --quick       # fewer steps and repeats
 
 For each compression level (4x, 16x, 64x fewer weights than ``nn.Linear``), every format is
 sized to its largest setting with at most that many weights (cores, factors and rank gates;
@@ -22,8 +22,8 @@ biases aside):
 Columns: forward + backward time of one 768x768 layer at 32 / 512 / 4096 input rows (median;
 "x" = speed-up over nn.Linear), and test accuracy after the same number of training steps
 (same data, optimizer and learning rate for every format) on two tasks where every hidden
-Linear is replaced: the synthetic sentence-pair task (a 2-layer, 128-wide encoder) and
-scikit-learn's digits (a 64-256-256-10 MLP, head dense). The step counts are small so the
+Linear is replaced: the synthetic sentence-pair task (a 2-layer, 64-wide encoder, batch 32) and
+scikit-learn's digits (a 64-256-256-10 MLP, head dense, batch 64). The step counts are small so the
 whole run fits in minutes on a CPU: the accuracies rank the formats, they are not converged.
 """
 
@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,11 +186,24 @@ def setting(layer: nn.Module) -> str:
 
 
 # ----- speed -------------------------------------------------------------------------------
-def layer_times(layer: nn.Module, repeats: int) -> list[float]:
+def layer_times(layer: nn.Module, repeats: int, cpu_time: bool = False) -> list[float]:
+    """Median forward + backward seconds at each row count. ``cpu_time`` counts the calling
+    thread's CPU time instead of wall time (run with one torch thread): on a machine shared
+    with other jobs it leaves out the time the process waits for a core."""
     out = []
     for rows in ROWS:
         x = torch.randn(rows, layer.in_features if hasattr(layer, "in_features") else 768)
-        out.append(median_seconds(forward_backward(layer, (x,)), repeats, warmup=1))
+        run = forward_backward(layer, (x,))
+        if not cpu_time:
+            out.append(median_seconds(run, repeats, warmup=1))
+            continue
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            run()
+            times.append(time.thread_time() - start)
+        out.append(statistics.median(times))
     return out
 
 
@@ -217,12 +232,12 @@ def _train(model: nn.Module, batches: Callable[[int], tuple], steps: int, lr: fl
 
 def pair_accuracy(make, steps: int, seed: int = 0) -> float:
     task = PairTask()
-    config = SixEncoderConfig(vocab_size=task.vocab_size, hidden=128, ffn=256, heads=4,
+    config = SixEncoderConfig(vocab_size=task.vocab_size, hidden=64, ffn=128, heads=4,
                               layers=2, max_position=task.seq_len, dropout=0.0)
     torch.manual_seed(seed)
     model = replace_linears(SixEncoderClassifier(config), make, {"fc2"})
     generator = torch.Generator().manual_seed(seed + 1)
-    _train(model, lambda _: task.batch(64, generator), steps, lr=2e-3)
+    _train(model, lambda _: task.batch(32, generator), steps, lr=3e-3)
     ids, types, labels = task.batch(2048, torch.Generator().manual_seed(12345))
     with torch.no_grad():
         return 100.0 * (model(ids, types).argmax(-1) == labels).float().mean().item()
@@ -281,14 +296,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--pair-steps", type=int, default=None)
     parser.add_argument("--digits-steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time CPU seconds of one thread (for a machine shared with others)")
     args = parser.parse_args()
-    repeats = 3 if args.quick else 5
-    pair_steps = args.pair_steps or (100 if args.quick else 300)
-    digits_steps = args.digits_steps or (100 if args.quick else 300)
+    repeats = args.repeats or (3 if args.quick else 5)
+    default_steps = 60 if args.quick else 200
+    pair_steps = default_steps if args.pair_steps is None else args.pair_steps  # 0: skip
+    digits_steps = default_steps if args.digits_steps is None else args.digits_steps
+    if args.cpu_time:
+        torch.set_num_threads(1)
     print(describe_machine())
-    print(f"forward + backward of one {TIMED_SHAPE[0]}x{TIMED_SHAPE[1]} layer, median of "
+    clock = "CPU time of one thread" if args.cpu_time else "wall time"
+    print(f"forward + backward of one {TIMED_SHAPE[0]}x{TIMED_SHAPE[1]} layer, {clock}, median of "
           f"{repeats}, ms (speed-up over nn.Linear); test accuracy after {pair_steps} pair-task "
-          f"steps and {digits_steps} digits steps at batch 64 (short runs: not converged)")
+          f"steps and {digits_steps} digits steps (short runs: not converged; 0 = skipped)")
     formats = list(FORMATS)
     missing = tltorch_status()
     if missing:
@@ -306,17 +328,18 @@ def main() -> None:
         except ValueError as exc:
             tqdm.write(f"  {exc}")
             continue
-        times = layer_times(layer, repeats)
+        times = layer_times(layer, repeats, args.cpu_time)
         if name == "dense":
             dense_times = times
         OVER_BUDGET.discard(f"{name} at {level}x")
-        pair = pair_accuracy(make, pair_steps)
-        digits = digits_accuracy(make, digits_steps)
+        pair = pair_accuracy(make, pair_steps) if pair_steps else None
+        digits = digits_accuracy(make, digits_steps) if digits_steps else None
         flag = "*" if f"{name} at {level}x" in OVER_BUDGET else ""
         rows.append([
             f"{level}x", name, setting(layer) or "-", f"{weights(layer):,}",
             *(f"{t * 1e3:.2f} ({d / t:.1f}x)" for t, d in zip(times, dense_times)),
-            f"{pair:.1f}{flag}", f"{digits:.1f}{flag}",
+            "-" if pair is None else f"{pair:.1f}{flag}",
+            "-" if digits is None else f"{digits:.1f}{flag}",
         ])
         tqdm.write("  " + " | ".join(rows[-1]))  # partial results survive an interruption
     print()
