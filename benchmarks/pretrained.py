@@ -145,7 +145,7 @@ def main() -> None:
             losses, after = [], before
             if how == "new" or args.distill_old:
                 losses = cc.training.distill(
-                    student, teacher, train_batches, steps=10**9, lr=args.lr,
+                    student, teacher, train_batches, lr=args.lr,
                     output_fn=sentence_embedding, time_limit=60 * args.minutes,
                 )
                 after = cosine(student, teacher, held_batches)
