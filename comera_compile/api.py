@@ -26,6 +26,7 @@ from comera_compile.passes import (
     summary,
 )
 from comera_compile.passes.capture import MODULES
+from comera_compile.passes.fuse import fuse_captured
 from comera_compile.passes.report import REPORT_ATTR, record_original
 from comera_compile.passes.rewrite import INITS
 from comera_compile.passes.specs import LINEAR_FORMATS
@@ -74,6 +75,7 @@ def optimize(
     inplace: bool = False,
     objective: str = "combo",
     memory: str | float = "default",
+    fuse: bool = False,
 ) -> nn.Module:
     """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` to meet ``budget``.
 
@@ -88,7 +90,9 @@ def optimize(
     returns the eager module. ``autotune=True`` times the best few contraction orders of
     each layer on first use; ``objective`` is the planner's cost (cotengra's ``"combo"``).
     ``memory="low"`` (compiled models) recomputes cheap activations in backward: several
-    times less training memory for a few percent more step time.
+    times less training memory for a few percent more step time. ``fuse=True`` first merges
+    sibling Linear layers that read the same input (Q/K/V) into one, so they tensorize into
+    one chain and run one contraction.
     """
     _check_arguments(model, init, format, max_rank, objective)
     if memory != "default" and not compile:
@@ -99,6 +103,8 @@ def optimize(
         captured = capture(work, example_inputs, allow_fx=False)
     else:
         captured = capture(work, example_inputs)
+    if fuse:
+        fuse_captured(captured)
     target = captured.model
     candidates = find_candidates(target)
     if not candidates:
