@@ -223,6 +223,7 @@ def main() -> None:
     print(
         f"six-encoder, {args.layers} layers, seq {args.seq}; median of {args.steps} steps "
         f"after {args.warmup} warm-up steps; one child process per row"
+        + (f" with {args.threads} thread(s)" if args.threads else "")
     )
     results = []
     jobs = [(b, r) for b in batches for r in rows]

@@ -27,6 +27,7 @@ from comera_compile.passes import (
 )
 from comera_compile.passes.attention import restore_untouched, split_attention
 from comera_compile.passes.capture import MODULES, exact_graph_module
+from comera_compile.passes.fuse import fuse_captured
 from comera_compile.passes.materialize import materialize, on_meta
 from comera_compile.passes.report import REPORT_ATTR, layer_records
 from comera_compile.passes.rewrite import INITS
@@ -93,6 +94,7 @@ def optimize(
     objective: str = "combo",
     memory: str | float = "default",
     device: torch.device | str = "cpu",
+    fuse: bool = False,
 ) -> nn.Module:
     """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` to meet ``budget``.
 
@@ -119,6 +121,10 @@ def optimize(
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer
     ever exists.
+    ``fuse=True`` first merges sibling Linear layers that read the same input (Q/K/V,
+    gate/up) into one, so they tensorize into one chain and run one contraction; the forward
+    changes, so the result is then the fused ``torch.fx.GraphModule`` (the model must trace
+    exactly).
     """
     _check_arguments(model, init, format, max_rank, objective)
     if memory != "default" and not compile:
@@ -127,6 +133,13 @@ def optimize(
     target = model if inplace else copy.deepcopy(model)
     attentions = split_attention(target)  # its projections become ordinary Linear layers
     captured = capture(target, example_inputs)  # analysis only: layers are swapped in target
+    if fuse:  # the forward changes (one layer for the siblings): the result is the fx graph
+        if inplace or captured.graph_exact:
+            why = "inplace=True keeps the model object" if inplace else captured.graph_exact
+            raise ValueError(f"fuse=True returns a fused torch.fx GraphModule, which needs an "
+                             f"exact graph and inplace=False ({why}); pass fuse=False")
+        fuse_captured(captured)
+        target = captured.model
     candidates = find_candidates(target)
     if not candidates:
         kinds = sorted({type(m).__name__ for m in target.modules() if m is not target})
@@ -195,6 +208,8 @@ def optimize(
 
 def _returned(model: nn.Module, graph_exact: str) -> str:
     """What the summary says about the returned module's form."""
+    if isinstance(model, torch.fx.GraphModule):
+        return "GraphModule: fuse=True merged sibling layers, so the forward itself changed"
     what = f"{type(model).__name__}, the model's own class with the chosen layers swapped"
     if graph_exact:
         return f"{what} (a torch.fx GraphModule would not be exact: {graph_exact})"
