@@ -239,7 +239,7 @@ def test_training_a_10m_row_table_allocates_nothing_table_sized(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     trained, seen = (int(v) for v in done.stdout.split()[-2:])
     table = 10_000_000 * 16 * 4
-    assert seen > 60 * 2**20  # the 64 MB canary shows up
+    assert seen > 32 * 2**20  # the 64 MB canary shows up (less what the peak already held)
     # 16,384 ids in the largest batch: ~20 MB of batch-sized work (sorts, gathers, their
     # gradients); the dense table alone would be 640 MB and its Adagrad state as much again.
     assert trained < table / 16, f"peak grew by {trained / 2**20:.1f} MB while training"
