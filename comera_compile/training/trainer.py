@@ -26,6 +26,10 @@ reaches ``S_t`` with ``settle_fraction`` of the late stage left; at each prune p
 the size lags the budget, the channels with the smallest share of their bond's energy are
 switched off until it does not. So a run of a few hundred steps ends at its target.
 
+``progress=True`` shows a tqdm bar advanced by ``step`` (its total is the run's length when
+known) with the stage and ``S`` as a fraction of its starting value; it closes itself after
+the last step of a known-length run, else call ``close()``.
+
 Bookkeeping costs a few fused kernels over all gates and one device-to-host transfer per
 step. ``lam`` and the size scale are tensors set from the previous step's values, so
 ``loss`` never syncs and can run inside a captured (compiled / CUDA Graph) step.
@@ -38,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
@@ -89,6 +94,7 @@ class RankAdaptiveTrainer:
         epochs: int | None = None,
         steps_per_epoch: int | None = None,
         settle_fraction: float = 0.25,
+        progress: bool = False,
     ) -> None:
         if target_params is not None and target_bytes is not None:
             raise ValueError("give target_params or target_bytes, not both")
@@ -134,6 +140,8 @@ class RankAdaptiveTrainer:
         self._pending: dict[str, Tensor] = {}
         self._history = History() if history else None
         self.last_pruned: dict[str, PruneResult] = {}
+        self._size_initial = self._size_of(self._counts)
+        self._bar = tqdm(total=self.total_steps, unit="step") if progress else None
 
     # ----- what the loop calls ------------------------------------------------------------
     @property
@@ -206,7 +214,15 @@ class RankAdaptiveTrainer:
             self._lam.fill_(self.lam)
         if self._history is not None:
             self._record(counts, size, task_loss, rank_loss)
+        if self._bar is not None:
+            self._advance_bar(size, task_loss)
         self._pending = {}
+
+    def close(self) -> None:
+        """Close the progress bar (done by itself after the last step of a known-length run)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     # ----- stage control ------------------------------------------------------------------
     def prune(self) -> dict[str, PruneResult]:
@@ -267,6 +283,16 @@ class RankAdaptiveTrainer:
         return self._stage == LATE and self.size() <= self.size_target
 
     # ----- internals ----------------------------------------------------------------------
+    def _advance_bar(self, size: int, task_loss: float | None) -> None:
+        """Host values ``step`` already has: no extra device-to-host transfer."""
+        postfix = {"stage": self._stage, "size": f"{size / max(self._size_initial, 1):.3f}"}
+        if task_loss is not None:
+            postfix["loss"] = f"{task_loss:.4g}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(1)
+        if self.total_steps is not None and self.steps >= self.total_steps:
+            self.close()
+
     def _ensure_tensors(self) -> None:
         """``lam`` and the size scale live on the gates' device, created once."""
         if self._tensors_ready:
@@ -396,5 +422,8 @@ class RankAdaptiveTrainer:
         self._lam.fill_(self.lam)
         self._size_norm.fill_(state["size_norm"] or 1.0)
         self.plateau.load_state_dict(state["plateau"])
+        if self._bar is not None:
+            self._bar.n = self.steps
+            self._bar.refresh()
         if self._history is not None and state.get("history") is not None:
             self._history.load_state_dict(state["history"])
