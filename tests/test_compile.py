@@ -2,6 +2,7 @@
 gradient), one plan per batch size, no graph breaks, the entry point in a fresh process,
 options, and the captured train step."""
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -264,3 +265,17 @@ def test_train_step_on_cpu_trains_and_follows_pruning():
     assert float(step((x, y))) == pytest.approx(before, rel=1e-5)
     with torch.no_grad():
         assert float(loss_fn(model, (x, y))) < before
+
+
+def test_each_compiled_graph_logs_one_line(caplog):
+    model = mlp()
+    compiled = torch.compile(
+        model, backend="comera", dynamic=False, options={"inductor": False}
+    )
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        for rows in (6, 6, 300):  # static shapes: one graph for 6 (run twice), one for 300
+            compiled(torch.randn(rows, 64))
+    lines = [r for r in caplog.records if "compiling a graph" in r.getMessage()]
+    assert [r.name for r in lines] == ["comera_compile"] * 2
+    assert "3 tensorized layer call(s), row bucket 8 " in lines[0].getMessage()
+    assert "row bucket 512 " in lines[1].getMessage()

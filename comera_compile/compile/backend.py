@@ -17,10 +17,17 @@ holds one recognisable node per tensorized layer. The backend
    new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): faster dropout there, and
    the same dropout masks as eager.
+
+Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
+first call of a new batch bucket can take tens of seconds on CPU); to see it::
+
+    import logging
+    logging.basicConfig(level=logging.INFO)
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -29,8 +36,9 @@ import torch
 from torch import fx
 
 from comera_compile.compile.options import BackendOptions, parse_options
-from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS
+from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
+log = logging.getLogger("comera_compile")
 _warned_plain = False
 
 
@@ -66,6 +74,31 @@ def _warn_plain() -> None:
     )
 
 
+def _row_buckets(nodes: list[fx.Node]) -> str:
+    """The plan buckets of the contractions' row counts, from the traced example values
+    (a symbolic count is named as such: comparing it here would add a guard)."""
+    buckets, dynamic = set(), False
+    for node in nodes:
+        x = node.args[0] if node.args else None
+        value = x.meta.get("example_value") if isinstance(x, fx.Node) else None
+        rows = value.shape[0] if isinstance(value, torch.Tensor) else None
+        if isinstance(rows, int):
+            buckets.add(row_bucket(rows))
+        else:
+            dynamic = True
+    return ", ".join([str(b) for b in sorted(buckets)] + ["dynamic"] * dynamic)
+
+
+def _log_start(nodes: list[fx.Node]) -> None:
+    if nodes:
+        log.info(
+            "comera backend: compiling a graph with %d tensorized layer call(s), row bucket "
+            "%s (the first call of each bucket takes a while)", len(nodes), _row_buckets(nodes)
+        )
+    else:
+        log.info("comera backend: compiling a plain graph (the first call takes a while)")
+
+
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
@@ -79,6 +112,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         gm.recompile()
     else:
         _warn_plain()
+    _log_start(nodes)
     # the partitioner reads the activation budget while the graph is compiled, right here
     with torch._functorch.config.patch(activation_memory_budget=opts.memory):
         if not opts.inductor:
