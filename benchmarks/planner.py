@@ -13,6 +13,7 @@ planning time per layer.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import forward_backward, median_seconds, table  # noqa: E402
 
 from comera_compile import TTLinear, TTMLinear  # noqa: E402
+from comera_compile.machine import describe_machine  # noqa: E402
 from comera_compile.planner import (  # noqa: E402
     clear_memory_cache,
     get_plan,
@@ -61,30 +64,33 @@ def main() -> None:
     ranks = (16, 30) if args.quick else (8, 16, 30)
     batches = (1, 32, 512, 4096) if args.quick else (1, 8, 32, 128, 512, 2048, 4096)
     repeats = 3 if args.quick else 7
+    print(describe_machine())
     torch.manual_seed(0)
     rows, worst, plan_times = [], 0.0, []
-    for cls in (TTLinear, TTMLinear):
-        for fan_in, fan_out in ((768, 768), (768, 3072)):
+    shapes = ((768, 768), (768, 3072))
+    cases = list(itertools.product((TTLinear, TTMLinear), shapes, ranks))
+    with tqdm(total=len(cases) * len(batches), desc="layers x batches", leave=False) as bar:
+        for cls, (fan_in, fan_out), rank in cases:
             dense = nn.Linear(fan_in, fan_out)
-            for rank in ranks:
-                layer = cls(fan_in, fan_out, ranks=rank)
-                layer.autotune = True
-                for batch in batches:
-                    plan_times.append(planning_ms(layer, batch))
-                    x = torch.randn(batch, fan_in)
-                    t_plan = median_seconds(forward_backward(layer, (x,)), repeats)
-                    fixed = forward_backward(layer, (x,), layer.forward_fixed_order)
-                    t_fixed = median_seconds(fixed, repeats)
-                    t_dense = median_seconds(forward_backward(dense, (x,)), repeats)
-                    worst = max(worst, t_plan / t_fixed)
-                    order = layer.plan_for(batch, x.dtype, "cpu").order_expression()
-                    rows.append([
-                        cls.__name__, f"{fan_in}x{fan_out}", rank, batch,
-                        f"{t_plan * 1e3:.3f}", f"{t_fixed * 1e3:.3f}", f"{t_dense * 1e3:.3f}",
-                        f"{t_plan / t_fixed:.2f}", f"{t_dense / t_plan:.2f}x", order,
-                    ])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; forward + backward, "
-          "median ms\n")
+            layer = cls(fan_in, fan_out, ranks=rank)
+            layer.autotune = True
+            for batch in batches:
+                bar.set_postfix_str(f"{cls.__name__} {fan_in}x{fan_out} r{rank} b{batch}")
+                plan_times.append(planning_ms(layer, batch))
+                x = torch.randn(batch, fan_in)
+                t_plan = median_seconds(forward_backward(layer, (x,)), repeats)
+                fixed = forward_backward(layer, (x,), layer.forward_fixed_order)
+                t_fixed = median_seconds(fixed, repeats)
+                t_dense = median_seconds(forward_backward(dense, (x,)), repeats)
+                worst = max(worst, t_plan / t_fixed)
+                order = layer.plan_for(batch, x.dtype, "cpu").order_expression()
+                rows.append([
+                    cls.__name__, f"{fan_in}x{fan_out}", rank, batch,
+                    f"{t_plan * 1e3:.3f}", f"{t_fixed * 1e3:.3f}", f"{t_dense * 1e3:.3f}",
+                    f"{t_plan / t_fixed:.2f}", f"{t_dense / t_plan:.2f}x", order,
+                ])
+                bar.update()
+    print("forward + backward, median ms\n")
     print(table(rows, [
         "layer", "shape", "rank", "rows", "planned", "fixed", "nn.Linear", "planned/fixed",
         "vs dense", "planned order",
