@@ -153,14 +153,16 @@ def test_caller_model_is_untouched_and_capture_paths_reported():
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert not any(isinstance(m, TensorizedLayer) for m in model.modules())
         assert cc.summary(result).capture_path == path
-    assert isinstance(cc.optimize(MLP(), 0.3, compile=False), torch.fx.GraphModule)
+    result = cc.optimize(MLP(), 0.3, compile=False)
+    assert type(result) is MLP
+    assert isinstance(cc.to_graph_module(result), torch.fx.GraphModule)
     reason = cc.summary(
         cc.optimize(bert(), 0.3, example_inputs=ids(2000), compile=False)
     ).capture_reason
     assert "symbolic_trace failed" in reason and "torch.export" in reason
 
 
-def test_six_encoder_full_size_beats_reference_factorization():
+def test_six_encoder_full_size_spends_the_ratio_budget():
     torch.manual_seed(0)
     model = SixEncoderClassifier()
     dense = n_params(model)
@@ -173,8 +175,8 @@ def test_six_encoder_full_size_beats_reference_factorization():
     assert "[16, 16, 12] -> [8, 8, 12]" in table
     assert isinstance(result.layers[0].ffn.fc_in, TTLinear)
     assert isinstance(result.word_embeddings, TTEmbedding)
-    ranks = result.layers[0].attention.query.ranks  # one rank per layer, clipped at the ends
-    assert ranks[:2] == [1, 12] and len(set(ranks[2:5])) == 1 and ranks[2] > 12
+    ranks = result.layers[0].attention.query.ranks  # per-layer ranks, bounded by the modes
+    assert ranks[0] == ranks[-1] == 1 and ranks[1] == ranks[-2] == 12
 
 
 def _prune_some(model):
@@ -191,15 +193,19 @@ def test_save_load_round_trip_exact_after_pruning(name, tmp_path):
     model = cc.optimize(factory(), budget, example_inputs=inputs, compile=False).eval()
     _prune_some(model)
     cc.save(model, tmp_path)
-    loaded = cc.load(tmp_path).eval()
+    base = None if name == "gpt2" else factory()  # Hugging Face models rebuild from config
+    loaded = cc.load(tmp_path, model=base).eval()
     with torch.no_grad():
         assert torch.equal(_outputs(loaded, inputs), _outputs(model, inputs))
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2
         assert torch.equal(v, v2) if isinstance(v, torch.Tensor) else v == v2
     assert str(cc.summary(loaded)) == str(cc.summary(model))
-    if name == "gpt2":  # the tie survives
-        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    if name == "gpt2":  # the tie survives: the head reads the embedding's cores, or both dense
+        if isinstance(loaded.transformer.wte, TTEmbedding):
+            assert loaded.lm_head.embedding is loaded.transformer.wte
+        else:
+            assert loaded.lm_head.weight is loaded.transformer.wte.weight
 
 
 def test_load_into_fresh_model_resizes_ranks(tmp_path):
