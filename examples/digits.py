@@ -122,6 +122,7 @@ def train_comera(data, args) -> tuple[nn.Module, RankAdaptiveTrainer]:
         early_steps=args.early_epochs * steps_per_epoch,
         prune_every=steps_per_epoch,
         task_target=args.task_target,
+        total_steps=args.epochs * steps_per_epoch,  # the late stage ends at the target
     )
     for idx in batches(len(x), args.batch, args.epochs, args.seed, "CoMERA"):
         loss = trainer.loss(F.cross_entropy(model(x[idx]), y[idx]))
