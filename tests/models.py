@@ -66,3 +66,22 @@ def dlrm_batch(model: DLRM, batch: int = 8, bag: int = 3, seed: int = 0):
         [torch.randint(0, t.num_embeddings, (batch, bag), generator=g) for t in model.tables]
     )
     return dense, sparse
+
+
+def small_tt_model(seed: int = 0) -> nn.Module:
+    """Two small TT layers in float64: the rank-adaptive trainer's test model."""
+    from comera_compile.nn import TTLinear
+
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        TTLinear(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4]),
+        nn.Tanh(),
+        TTLinear(12, 3, ranks=3, in_modes=[3, 4], out_modes=[1, 3]),
+    ).double()
+
+
+def toy_classes(n: int, seed: int = 1) -> tuple[Tensor, Tensor]:
+    """``n`` float64 inputs of width 16, labelled by which of the first 3 features is largest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g, dtype=torch.float64)
+    return x, x[:, :3].argmax(1)

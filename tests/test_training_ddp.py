@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
+from models import small_tt_model, toy_classes
 
-from comera_compile.nn import TTLinear
 from comera_compile.training import PrunableDDP, RankAdaptiveTrainer, param_groups
 
 STEPS = 14
@@ -19,18 +18,11 @@ WORLD = 2
 
 
 def small_model():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        TTLinear(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4]),
-        nn.Tanh(),
-        TTLinear(12, 3, ranks=3, in_modes=[3, 4], out_modes=[1, 3]),
-    ).double()
+    return small_tt_model()
 
 
 def full_batch(n=48):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 16, generator=g, dtype=torch.float64)
-    return x, x[:, :3].argmax(1)
+    return toy_classes(n)
 
 
 def train(model, forward, x, y):

@@ -4,37 +4,25 @@ with a real short run that shrinks ranks."""
 import pytest
 import torch
 import torch.nn.functional as F
+from models import small_tt_model, toy_classes
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from comera_compile.nn import TTLinear
 from comera_compile.training import LATE, RankAdaptiveTrainer, param_groups
 
 STEPS = 30
 OPTIONS = {"early_steps": 10, "prune_every": 5, "target_ratio": 0.5}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_model():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        TTLinear(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4]),
-        nn.Tanh(),
-        TTLinear(12, 3, ranks=3, in_modes=[3, 4], out_modes=[1, 3]),
-    ).double()
+    return small_tt_model()
 
 
 def data(n=32):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 16, generator=g, dtype=torch.float64)
-    return x, x[:, :3].argmax(1)
+    return toy_classes(n)
 
 
 def adamw(model):

@@ -4,6 +4,7 @@ size lags, dead channels that stay dead, and a held-out run that ends at its tar
 import pytest
 import torch
 import torch.nn.functional as F
+from models import small_tt_model, toy_classes
 from torch import nn
 
 import comera_compile
@@ -19,29 +20,15 @@ from comera_compile.training import (
 )
 from comera_compile.training.pruning import channel_scores, choose_removals
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: threads only add contention on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        TTLinear(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4]),
-        nn.Tanh(),
-        TTLinear(12, 3, ranks=3, in_modes=[3, 4], out_modes=[1, 3]),
-    ).double()
+    return small_tt_model(seed)
 
 
 def data(seed=1, n=64):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 16, generator=g, dtype=torch.float64)
-    return x, x[:, :3].argmax(1)
+    return toy_classes(n, seed)
 
 
 def run(model, opt, trainer, x, y, steps):
