@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, alive, fold_gates
+from comera_compile.nn.planned import PlannedLayer
 
 
 class LayoutMismatchError(ValueError):
@@ -98,7 +99,7 @@ def _round_up_kept(keep: Tensor, gate: Tensor, multiple_of: int) -> Tensor:
     return keep
 
 
-class TensorizedLayer(nn.Module):
+class TensorizedLayer(PlannedLayer, nn.Module):
     """Base class: cores + rank gates + pruning + a state dict that carries the layout."""
 
     format: str = ""

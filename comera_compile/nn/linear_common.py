@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_compile.nn.base import output_dtype
-from comera_compile.planner import PlanRecord, get_plan, next_power_of_two, plan_records_for
+from comera_compile.nn.planned import PlannedLayer
+from comera_compile.planner import Plan, get_plan
 from comera_compile.planner.ops import planned_contract
 
 
-class PlannedLinearMixin:
+class PlannedLinearMixin(PlannedLayer):
     """Mixed into a ``TensorizedLayer`` that defines ``in_modes``, ``out_modes``,
     ``network_cores()`` and ``_network(rows)``."""
 
@@ -65,31 +66,18 @@ class PlannedLinearMixin:
             y = y + self.bias.to(y.dtype)  # a float32 bias must not promote a bf16 output
         return y.reshape(*lead, self.out_features)
 
-    def plan_for(self, rows: int, dtype: torch.dtype, device_type: str):
-        """The cached contraction plan for this many input rows (bucketed to a power of two)."""
-        key = (next_power_of_two(rows), dtype, device_type)
-        plan = self._plans.get(key)
-        if plan is None:
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            plan = get_plan(
-                self._network(key[0]),
-                dtype=dtype,
-                device_type=device_type,
-                objective=self.objective,
-                autotune=self.autotune and not capturing,  # timing would sync the host
-            )
-            self._plans[key] = plan
-        return plan
+    def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> Plan:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return get_plan(
+            self._network(bucket),
+            dtype=dtype,
+            device_type=device_type,
+            objective=self.objective,
+            autotune=self.autotune and not capturing,  # timing would sync the host
+        )
 
-    def plan_record(
-        self, name: str, batch_size: int, dtype: torch.dtype | None = None, device_type=None
-    ) -> PlanRecord:
-        """Which contraction order runs for ``batch_size`` rows, and what it costs."""
-        weight = self.cores[0]
-        dtype = dtype or weight.dtype
-        plan = self.plan_for(batch_size, dtype, device_type or weight.device.type)
-        dense_macs = batch_size * self.in_features * self.out_features
-        return plan_records_for(name, self._network(batch_size), plan, dense_macs, batch_size)
+    def dense_macs(self, rows: int) -> int:
+        return rows * self.in_features * self.out_features
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:

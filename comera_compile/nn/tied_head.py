@@ -46,6 +46,9 @@ class TiedEmbeddingHead(PlannedLinearMixin, nn.Module):
     def dense_parameters(self) -> int:
         return 0  # the weight is the embedding's
 
+    def _plan_reference(self) -> Tensor:
+        return self.embedding.cores[0]
+
     def layout(self) -> dict:
         return {"format": TIED_HEAD, "embedding": self.tied_to, "bias": self.bias is not None}
 

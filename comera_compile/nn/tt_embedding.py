@@ -36,7 +36,7 @@ from comera_compile.formats import (
 from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
-from comera_compile.planner import PlanRecord, embedding_plan, next_power_of_two, plan_records_for
+from comera_compile.planner import EmbeddingPlan, embedding_plan
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
@@ -108,19 +108,12 @@ class TTEmbedding(TensorizedLayer):
             "col_modes": list(self.col_modes),
         }
 
-    def plan_for(self, rows: int):
-        """The cached lookup plan (which bond to split the chain at) for this many ids."""
-        key = next_power_of_two(rows)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = embedding_plan(self.row_modes, self.col_modes, self.ranks, key)
-            self._plans[key] = plan
-        return plan
+    def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> EmbeddingPlan:
+        """Which bond to split the chain at for ``bucket`` ids (dtype-independent)."""
+        return embedding_plan(self.row_modes, self.col_modes, self.ranks, bucket)
 
-    def plan_record(self, name: str, batch_size: int, **_) -> PlanRecord:
-        """The lookup plan for ``batch_size`` ids; the dense baseline is one row copy per id."""
-        plan = self.plan_for(batch_size)
-        return plan_records_for(name, plan, plan, batch_size * self.embedding_dim, batch_size)
+    def dense_macs(self, rows: int) -> int:
+        return rows * self.embedding_dim  # the dense baseline copies one row per id
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table."""
