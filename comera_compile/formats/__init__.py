@@ -20,31 +20,47 @@ from .factorize import (
     ttm_modes,
     zero_pad,
 )
+from .layout import (
+    ChainLayout,
+    check_low_rank,
+    embedding_layout,
+    modes_cover,
+    tt_layout,
+    ttm_layout,
+    ttm_linear_layout,
+)
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
 from .tt import merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
 from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
 
 __all__ = [
+    "ChainLayout",
     "Factorization",
     "chain_ranks",
+    "check_low_rank",
     "choose_order",
     "clip_ranks",
     "core_params",
     "dense_linear_macs",
+    "embedding_layout",
     "factorize",
     "fit_ranks",
     "internal_ranks",
     "merge_cores",
+    "modes_cover",
     "positive_int",
     "positive_ints",
     "rank_caps",
     "tt_linear_macs",
     "tt_linear_modes",
+    "tt_layout",
     "tt_linear_params",
     "tt_random_cores",
     "tt_svd",
     "tt_svd_with_error",
     "tt_to_dense",
+    "ttm_layout",
+    "ttm_linear_layout",
     "ttm_linear_macs",
     "ttm_mode_pairs",
     "ttm_modes",

@@ -1,8 +1,10 @@
-"""The part TTLinear and TTMLinear share: padding, bias, and a forward through the planner."""
+"""The part every planned Linear shares (TTLinear, TTMLinear, LowRankLinear, the tied head):
+bias, padding, ``from_dense``, and a forward through the planner."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +16,25 @@ from comera_compile.planner import Plan, get_plan
 from comera_compile.planner.ops import planned_contract
 
 
+def linear_init_std(in_features: int) -> float:
+    """The standard deviation of ``nn.Linear``'s default weight, ``1 / sqrt(3 in_features)``:
+    random cores are drawn so that their product has it."""
+    return 1.0 / math.sqrt(3 * in_features)
+
+
+def squeeze_boundary_bonds(cores: list[Tensor]) -> list[Tensor]:
+    """A chain's cores with the rank-1 axes at both ends dropped, as the planner's networks
+    have them (a single core loses both)."""
+    if len(cores) == 1:
+        return [cores[0].reshape(cores[0].shape[1:-1])]
+    cores[0] = cores[0].reshape(cores[0].shape[1:])
+    cores[-1] = cores[-1].reshape(cores[-1].shape[:-1])
+    return cores
+
+
 class PlannedLinearMixin(PlannedLayer):
-    """Mixed into a ``TensorizedLayer`` that defines ``in_modes``, ``out_modes``,
-    ``network_cores()`` and ``_network(rows)``."""
+    """Mixed into a layer that defines ``gated_cores()``, ``_network(rows)`` and (to be
+    built from a dense Linear) ``_decompose(weight, ranks, tolerance)``."""
 
     in_features: int
     out_features: int
@@ -38,13 +56,58 @@ class PlannedLinearMixin(PlannedLayer):
             "bias": self.bias is not None,
         }
 
-    def _init_bias(self, bias: bool, device, dtype) -> None:
+    def _init_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        in_modes: tuple[int, ...],
+        out_modes: tuple[int, ...],
+        bias: bool,
+    ) -> None:
+        """Record the Linear's sizes and modes; a bias like ``nn.Linear``'s, on the cores'
+        device and dtype."""
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_modes, self.out_modes = tuple(in_modes), tuple(out_modes)
         if not bias:
             self.register_parameter("bias", None)
             return
+        core = self.cores[0]
         bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default
-        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_features, device=core.device,
+                                             dtype=core.dtype))
         nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_dense(
+        cls,
+        module: nn.Linear,
+        ranks: int | Sequence[int] | None = None,
+        tolerance: float | None = None,
+        **kwargs,
+    ):
+        """The layer's decomposition of a Linear's weight (TT-SVD or TTM-SVD), truncated to
+        ``ranks`` and/or the relative error ``tolerance`` (exact when neither is given)."""
+        layer = cls(
+            module.in_features,
+            module.out_features,
+            ranks=1,
+            bias=module.bias is not None,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+            **kwargs,
+        )
+        layer._set_cores(layer._decompose(module.weight.detach(), ranks, tolerance))
+        if module.bias is not None:
+            layer.bias.data.copy_(module.bias.detach())
+        return layer
+
+    def _decompose(self, weight: Tensor, ranks, tolerance) -> list[Tensor]:
+        """Cores of the ``(out_features, in_features)`` weight, truncated."""
+        raise NotImplementedError
+
+    def network_cores(self) -> list[Tensor]:
+        """Gated cores shaped as the planner's network has them."""
+        return squeeze_boundary_bonds(self.gated_cores())
 
     @property
     def padded_in(self) -> int:

@@ -10,10 +10,9 @@ input row (two thin matmuls) but loses accuracy first at high compression.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-import torch
-
-from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.formats import check_low_rank
 from comera_compile.nn.tt_linear import TTLinear
 
 
@@ -27,29 +26,14 @@ class LowRankLinear(TTLinear):
         in_features: int,
         out_features: int,
         ranks: int | Sequence[int] = 30,
-        in_modes: Sequence[int] | None = None,
-        out_modes: Sequence[int] | None = None,
-        bias: bool = True,
+        *,
         order: int | None = None,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **options: Any,
     ) -> None:
-        if order not in (None, 1):
-            raise ValueError(
-                f"a low-rank layer has one mode per side (order 1), got order={order!r}; "
-                "use TTLinear (format='tt') for higher orders"
-            )
-        for name, modes in (("in_modes", in_modes), ("out_modes", out_modes)):
-            if modes is not None and len(modes) != 1:
-                raise ValueError(
-                    f"a low-rank layer has one mode per side, got {name}={list(modes)}; "
-                    "leave it as None or use TTLinear (format='tt') for several modes"
-                )
-        super().__init__(
-            in_features, out_features, ranks=ranks, in_modes=in_modes, out_modes=out_modes,
-            bias=bias, order=1, threshold=threshold, device=device, dtype=dtype,
-        )
+        """``options`` are TTLinear's (``bias``, ``threshold``, ``device``, ``dtype``, and
+        one-entry ``in_modes`` / ``out_modes``)."""
+        check_low_rank(order, options.get("in_modes"), options.get("out_modes"))
+        super().__init__(in_features, out_features, ranks, order=1, **options)
 
     @property
     def rank(self) -> int:

@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from comera_compile.formats import (
     fit_ranks,
+    modes_cover,
     positive_int,
     ttm_modes,
     ttm_random_cores,
@@ -33,7 +34,6 @@ from comera_compile.formats import (
     ttm_to_dense,
     zero_pad,
 )
-from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.planner import EmbeddingPlan, embedding_plan

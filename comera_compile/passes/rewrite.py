@@ -28,6 +28,12 @@ from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
 from comera_compile.passes.specs import LOWRANK, TT, TT_EMBEDDING, TTM, LayerSpec
 
 INITS = ("random", "dense")
+
+
+def check_init(init: str) -> None:
+    """``init`` must name a way to start the cores: ``"random"`` or ``"dense"`` (TT-SVD)."""
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
 LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear}
 
 
@@ -87,8 +93,7 @@ def build_layer(
         if cand.bias and not meta:  # keep the trained (or initialised) bias: it costs nothing
             layer.bias.data.copy_(cand.module.bias.detach())
         return layer
-    if init != "dense":
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    check_init(init)
     internal = ranks[1:-1]
     with torch.no_grad():
         if cand.is_embedding:
@@ -258,8 +263,7 @@ def rewrite(
 ) -> nn.Module:
     """Swap every chosen layer (under each of its names) in place and return ``model``.
     Layers of a model on the meta device get their cores on ``device``."""
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    check_init(init)
     for name, (cand, spec) in chosen.items():
         layer = build_layer(cand, spec, init, device)
         layer.train(cand.module.training)

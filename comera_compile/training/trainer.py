@@ -48,7 +48,6 @@ from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
 from comera_compile.training.distributed import Collective, unwrap
 from comera_compile.training.history import History
-from comera_compile.training.penalty import model_size
 from comera_compile.training.pruning import (
     channel_scores,
     choose_removals,
@@ -58,6 +57,7 @@ from comera_compile.training.pruning import (
     switch_off,
 )
 from comera_compile.training.schedule import EARLY, LATE, BudgetSchedule, Plateau, size_weight
+from comera_compile.training.size import model_size
 
 
 def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
