@@ -1,8 +1,8 @@
 """A chain's layout from a layer's arguments: modes per side and the full rank list.
 
 Layer constructors and the selection pass both need "what would this layer be" from the
-same arguments (sizes, optional modes, order, ranks); this module answers it once, with
-pure arithmetic, so checking a user's settings never builds a layer.
+same arguments (sizes, optional modes, order, ranks); ``chain_layout`` answers it once,
+with pure arithmetic, so checking a user's settings never builds a layer.
 """
 
 from __future__ import annotations
@@ -15,14 +15,24 @@ from ._checks import positive_int, positive_ints
 from .factorize import tt_linear_modes, ttm_modes
 from .ranks import fit_ranks
 
+TT, TTM, LOWRANK, TT_EMBEDDING = "tt", "ttm", "lowrank", "tt_embedding"
+"""The layer formats: TT and TTM Linear, low-rank ``W = U V`` (a TT chain of order 1), and
+the TTM-format embedding table."""
+TT_CHAINS = (TT, LOWRANK)  # a chain of single-mode cores: input modes, then output modes
+
+_ARGUMENT_NAMES = {  # the constructors' names of (sizes, modes), for errors in their words
+    TT_EMBEDDING: ("num_embeddings", "embedding_dim", "row_modes", "col_modes"),
+}
+_LINEAR_NAMES = ("in_features", "out_features", "in_modes", "out_modes")
+
 
 @dataclass(frozen=True)
 class ChainLayout:
-    """Modes of the two sides of a matrix and the full ranks ``[1, r_1, .., 1]`` of its chain.
+    """The modes of both sides and the full ranks ``[1, r_1, .., 1]`` of a chain.
 
-    For TT and TTM Linear layers ``first`` are the input modes and ``second`` the output
-    modes; for an embedding table they are the vocabulary (row) and embedding-dim (column)
-    modes.
+    For Linear layers (every format) ``first`` are the input modes and ``second`` the
+    output modes; for an embedding table they are its row (vocabulary) and column
+    (embedding-dim) modes.
     """
 
     first: tuple[int, ...]
@@ -42,78 +52,6 @@ def modes_cover(name: str, modes: Sequence[int], features: int) -> tuple[int, ..
     return modes
 
 
-def tt_layout(
-    in_features: int,
-    out_features: int,
-    ranks: int | Sequence[int],
-    in_modes: Sequence[int] | None = None,
-    out_modes: Sequence[int] | None = None,
-    order: int | None = None,
-) -> ChainLayout:
-    """A TT-linear chain: input cores then output cores (modes chosen when not given)."""
-    in_features = positive_int("in_features", in_features)
-    out_features = positive_int("out_features", out_features)
-    auto_in, auto_out = tt_linear_modes(in_features, out_features, order)
-    ins = modes_cover("in_modes", in_modes or auto_in.modes, in_features)
-    outs = modes_cover("out_modes", out_modes or auto_out.modes, out_features)
-    return ChainLayout(ins, outs, fit_ranks(ins + outs, ranks))
-
-
-def ttm_layout(
-    rows: int,
-    cols: int,
-    ranks: int | Sequence[int],
-    row_modes: Sequence[int] | None = None,
-    col_modes: Sequence[int] | None = None,
-    order: int | None = None,
-    names: tuple[str, str, str, str] = ("rows", "cols", "row_modes", "col_modes"),
-) -> ChainLayout:
-    """A TTM chain of ``rows x cols``, one core per (row mode, col mode) pair; the order
-    follows given modes. ``names`` are the caller's names of the four arguments (sizes,
-    then modes), so that errors speak the caller's words."""
-    rows = positive_int(names[0], rows)
-    cols = positive_int(names[1], cols)
-    names = names[2:]
-    if order is None and (row_modes is not None or col_modes is not None):
-        order = len(row_modes if row_modes is not None else col_modes)
-    auto_rows, auto_cols = ttm_modes(rows, cols, order)
-    ms = modes_cover(names[0], row_modes or auto_rows.modes, rows)
-    ns = modes_cover(names[1], col_modes or auto_cols.modes, cols)
-    if len(ms) != len(ns):
-        raise ValueError(
-            f"a TTM chain pairs its modes, so {names[0]}={list(ms)} and {names[1]}={list(ns)} "
-            "need the same length; use TTLinear (format='tt') for unequal orders"
-        )
-    return ChainLayout(ms, ns, fit_ranks([m * n for m, n in zip(ms, ns)], ranks))
-
-
-def ttm_linear_layout(
-    in_features: int,
-    out_features: int,
-    ranks: int | Sequence[int],
-    in_modes: Sequence[int] | None = None,
-    out_modes: Sequence[int] | None = None,
-    order: int | None = None,
-) -> ChainLayout:
-    """A TTM Linear: the weight ``(out, in)`` is the TTM matrix; ``first`` = input modes."""
-    names = ("out_features", "in_features", "out_modes", "in_modes")
-    chain = ttm_layout(out_features, in_features, ranks, out_modes, in_modes, order, names)
-    return ChainLayout(chain.second, chain.first, chain.ranks)
-
-
-def embedding_layout(
-    num_embeddings: int,
-    embedding_dim: int,
-    ranks: int | Sequence[int],
-    row_modes: Sequence[int] | None = None,
-    col_modes: Sequence[int] | None = None,
-    order: int | None = None,
-) -> ChainLayout:
-    """A TTM embedding table: ``first`` = vocabulary (row) modes, ``second`` = dim modes."""
-    names = ("num_embeddings", "embedding_dim", "row_modes", "col_modes")
-    return ttm_layout(num_embeddings, embedding_dim, ranks, row_modes, col_modes, order, names)
-
-
 def check_low_rank(
     order: int | None, in_modes: Sequence[int] | None, out_modes: Sequence[int] | None
 ) -> None:
@@ -129,3 +67,45 @@ def check_low_rank(
                 f"a low-rank layer has one mode per side, got {name}={list(modes)}; "
                 "leave it as None or use TTLinear (format='tt') for several modes"
             )
+
+
+def chain_layout(
+    fmt: str,
+    first_size: int,
+    second_size: int,
+    ranks: int | Sequence[int],
+    first_modes: Sequence[int] | None = None,
+    second_modes: Sequence[int] | None = None,
+    order: int | None = None,
+) -> ChainLayout:
+    """The layout a layer of format ``fmt`` gets: sizes are ``(in_features, out_features)``
+    for a Linear and ``(num_embeddings, embedding_dim)`` for an embedding. Modes not given
+    are factorized (a TTM chain takes its order from given modes); ``ranks`` is an int or a
+    rank list, clipped to what each bond can hold."""
+    if fmt not in (*TT_CHAINS, TTM, TT_EMBEDDING):
+        raise ValueError(f"unknown format {fmt!r}; use one of {(TT, TTM, LOWRANK)}")
+    names = _ARGUMENT_NAMES.get(fmt, _LINEAR_NAMES)
+    first_size = positive_int(names[0], first_size)
+    second_size = positive_int(names[1], second_size)
+    if fmt == LOWRANK:
+        check_low_rank(order, first_modes, second_modes)
+        order = 1
+    if fmt in TT_CHAINS:
+        auto = tt_linear_modes(first_size, second_size, order)
+    else:
+        if order is None and (first_modes is not None or second_modes is not None):
+            order = len(first_modes if first_modes is not None else second_modes)
+        # the weight's rows are the output side: TTM row modes descend (see ttm_modes)
+        auto = ttm_modes(first_size, second_size, order)
+        if fmt == TTM:
+            auto = ttm_modes(second_size, first_size, order)[::-1]
+    ms = modes_cover(names[2], first_modes or auto[0].modes, first_size)
+    ns = modes_cover(names[3], second_modes or auto[1].modes, second_size)
+    if fmt in TT_CHAINS:
+        return ChainLayout(ms, ns, fit_ranks(ms + ns, ranks))
+    if len(ms) != len(ns):
+        raise ValueError(
+            f"a TTM chain pairs its modes, so {names[2]}={list(ms)} and {names[3]}={list(ns)} "
+            "need the same length; use TTLinear (format='tt') for unequal orders"
+        )
+    return ChainLayout(ms, ns, fit_ranks([m * n for m, n in zip(ms, ns)], ranks))

@@ -9,31 +9,14 @@ input row (two thin matmuls) but loses accuracy first at high compression.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-from comera_compile.formats import check_low_rank
+from comera_compile.formats import LOWRANK
 from comera_compile.nn.tt_linear import TTLinear
 
 
 class LowRankLinear(TTLinear):
     """``nn.Linear`` replacement ``x -> x U diag(gate) V + b`` with a rank gate on the bond."""
 
-    format = "lowrank"
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        ranks: int | Sequence[int] = 30,
-        *,
-        order: int | None = None,
-        **options: Any,
-    ) -> None:
-        """``options`` are TTLinear's (``bias``, ``threshold``, ``device``, ``dtype``, and
-        one-entry ``in_modes`` / ``out_modes``)."""
-        check_low_rank(order, options.get("in_modes"), options.get("out_modes"))
-        super().__init__(in_features, out_features, ranks, order=1, **options)
+    format = LOWRANK  # TTLinear's constructor lays the chain out at order 1 for this format
 
     @property
     def rank(self) -> int:

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from comera_compile.formats import (
+    chain_layout,
     merge_cores,
-    tt_layout,
     tt_random_cores,
     tt_svd,
     tt_to_dense,
@@ -44,7 +44,8 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        chain = tt_layout(in_features, out_features, ranks, in_modes, out_modes, order)
+        chain = chain_layout(self.format, in_features, out_features, ranks, in_modes, out_modes,
+                             order)
         std = linear_init_std(in_features)
         cores = tt_random_cores(chain.first, chain.second, chain.ranks, std, dtype, device)
         super().__init__(cores, threshold)

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from comera_compile.formats import (
-    ttm_linear_layout,
+    TTM,
+    chain_layout,
     ttm_random_cores,
     ttm_svd,
     ttm_to_dense,
@@ -28,7 +29,7 @@ from comera_compile.planner import ttm_linear_network
 class TTMLinear(PlannedLinearMixin, TensorizedLayer):
     """``nn.Linear`` replacement in TTM format, with rank gates on every internal bond."""
 
-    format = "ttm"
+    format = TTM
 
     def __init__(
         self,
@@ -43,7 +44,7 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        chain = ttm_linear_layout(in_features, out_features, ranks, in_modes, out_modes, order)
+        chain = chain_layout(TTM, in_features, out_features, ranks, in_modes, out_modes, order)
         std = linear_init_std(in_features)
         cores = ttm_random_cores(chain.second, chain.first, chain.ranks, std, dtype, device)
         super().__init__(cores, threshold)

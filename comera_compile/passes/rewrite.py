@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from comera_compile.formats import LOWRANK, TT, TT_EMBEDDING, TTM
 from comera_compile.nn import (
     DEFAULT_THRESHOLD,
     LowRankLinear,
@@ -25,7 +26,7 @@ from comera_compile.nn.attention import SPLIT_ATTENTION
 from comera_compile.nn.tied_head import TIED_HEAD
 from comera_compile.nn.tt_embedding import dense_options
 from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
-from comera_compile.passes.specs import LOWRANK, TT, TT_EMBEDDING, TTM, LayerSpec
+from comera_compile.passes.specs import LayerSpec
 
 INITS = ("random", "dense")
 

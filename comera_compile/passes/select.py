@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from comera_compile.formats import TT_EMBEDDING, chain_layout
 from comera_compile.passes.allocate import (
     MIN_COMPRESSION,
     LayerPlan,
@@ -31,10 +32,8 @@ from comera_compile.passes.order import pick_order
 from comera_compile.passes.shapes import LayerShape
 from comera_compile.passes.specs import (
     LINEAR_FORMATS,
-    TT_EMBEDDING,
     LayerSpec,
     auto_modes,
-    layer_layout,
     make_spec,
 )
 from comera_compile.passes.spectra import Spectrum, layer_spectrum
@@ -122,7 +121,8 @@ def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str) -> _Opti
     in_modes, out_modes = cfg.get(keys[0]), cfg.get(keys[1])
     ranks = cfg.get("ranks", 1)
     try:
-        chain = layer_layout(cand, fmt, ranks, in_modes, out_modes, cfg.get("order"))
+        chain = chain_layout(fmt, cand.in_features, cand.out_features, ranks, in_modes,
+                             out_modes, cfg.get("order"))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"layer_config for '{cand.name}': {exc}") from None
     ins, outs = chain.first, chain.second

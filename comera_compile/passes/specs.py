@@ -12,22 +12,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from comera_compile.formats import (
-    ChainLayout,
-    check_low_rank,
+    LOWRANK,
+    TT,
+    TT_CHAINS,
+    TTM,
+    chain_layout,
     clip_ranks,
-    embedding_layout,
-    tt_layout,
     tt_linear_macs,
     tt_linear_params,
-    ttm_linear_layout,
     ttm_linear_macs,
     ttm_params,
 )
 from comera_compile.passes.candidates import Candidate
 
-TT, TTM, TT_EMBEDDING, LOWRANK = "tt", "ttm", "tt_embedding", "lowrank"
 LINEAR_FORMATS = (TT, TTM, LOWRANK)
-TT_CHAINS = (TT, LOWRANK)  # a low-rank layer is a TT chain with one mode per side
 
 
 def check_format(fmt: str, name: str = "format") -> None:
@@ -108,32 +106,6 @@ def embedding_macs_per_row(col_modes: Sequence[int], ranks: Sequence[int]) -> in
     return macs
 
 
-def layer_layout(
-    cand: Candidate,
-    fmt: str,
-    ranks: int | Sequence[int],
-    in_modes: Sequence[int] | None = None,
-    out_modes: Sequence[int] | None = None,
-    order: int | None = None,
-) -> ChainLayout:
-    """The modes and full ranks the layer constructor would give ``cand`` with these
-    settings (user-given modes win), computed by the same functions the constructors call,
-    without building a layer. For an embedding ``in_modes`` / ``out_modes`` are its row
-    (vocabulary) and column (dim) modes, and ``first`` / ``second`` of the result too."""
-    if cand.is_embedding:
-        return embedding_layout(
-            cand.in_features, cand.out_features, ranks, in_modes, out_modes, order
-        )
-    if fmt == TTM:
-        return ttm_linear_layout(
-            cand.in_features, cand.out_features, ranks, in_modes, out_modes, order
-        )
-    if fmt == LOWRANK:
-        check_low_rank(order, in_modes, out_modes)
-        order = 1
-    return tt_layout(cand.in_features, cand.out_features, ranks, in_modes, out_modes, order)
-
-
 def auto_modes(
     cand: Candidate,
     fmt: str,
@@ -142,7 +114,7 @@ def auto_modes(
     order: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The modes the layer constructor would pick (user-given modes win)."""
-    chain = layer_layout(cand, fmt, 1, in_modes, out_modes, order)
+    chain = chain_layout(fmt, cand.in_features, cand.out_features, 1, in_modes, out_modes, order)
     return chain.first, chain.second
 
 
