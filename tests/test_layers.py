@@ -144,6 +144,25 @@ def test_prune_keeps_outputs_and_cuts_exact_count(make):
     assert not layer.prune_ranks()  # nothing left to remove
 
 
+@pytest.mark.parametrize("cls", [TTLinear, TTMLinear])
+def test_prune_while_last_graph_is_alive(cls):
+    """A loop that still holds last step's loss keeps autograd's per-leaf gradient
+    accumulator (with the old core shapes) alive; pruning must make autograd forget it, or
+    the next backward fails with a shape mismatch."""
+    torch.manual_seed(0)
+    layer = cls(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4])
+    x = torch.randn(5, 16)
+    held = layer(x).square().sum()
+    held.backward(retain_graph=True)  # the old graph stays reachable through `held`
+    with torch.no_grad():
+        layer.gates[0][:2] = 0.0
+    assert layer.prune_ranks().total_removed == 2
+    layer.zero_grad()
+    layer(x).square().sum().backward()
+    assert [tuple(c.grad.shape) for c in layer.cores] == [tuple(c.shape) for c in layer.cores]
+    assert held.grad_fn is not None  # the old graph really was alive throughout
+
+
 def test_pruned_layer_saves_and_loads_exactly():
     layer = TTLinear(64, 48, ranks=6)
     with torch.no_grad():

@@ -45,6 +45,11 @@ _BAG_MODES = (None, "sum", "mean", "max")
 class TTEmbedding(TensorizedLayer):
     """``nn.Embedding`` (or, with ``mode=``, ``nn.EmbeddingBag``) replacement in TTM format.
 
+    The name says TT (tensor train); the layout is TTM (tensor-train *matrix*): the
+    ``(num_embeddings, embedding_dim)`` table is one chain of cores
+    ``(r_{k-1}, row_modes[k], col_modes[k], r_k)``, one per (vocabulary mode, dim mode)
+    pair, as in TT-Rec and CoMERA. It is not the TT-linear layout of ``TTLinear``.
+
     ``sparse=True`` is accepted so that a recommender's table swaps in unchanged; the cores'
     gradients are dense either way (``declared_sparse`` remembers what the table asked for).
     """
