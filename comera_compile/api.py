@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.formats import positive_int
+from comera_compile.formats import positive_int, positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes import (
@@ -246,9 +246,7 @@ def plans(
     layers = tensorized_layers(model)
     if not layers:
         raise ValueError("the model has no tensorized layer; run comera_compile.optimize first")
-    sizes = [int(b) for b in batch_sizes]
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch_sizes must be positive ints, got {list(batch_sizes)}")
+    sizes = positive_ints("batch_sizes", batch_sizes)
     return PlanReport(
         [layer.plan_record(name, b, dtype=dtype) for name, layer in layers.items() for b in sizes]
     )
