@@ -113,3 +113,19 @@ def test_downward_and_sibling_imports_pass():
     source = "from ..formats import tt\nfrom . import gates"
     assert upward_imports(PACKAGE / "nn/base.py", source) == []
     assert upward_imports(PACKAGE / "training/distill.py", "from ..passes import inputs") == []
+
+
+def test_api_uses_only_the_public_surface_of_passes():
+    """optimize() reads the passes through ``comera_compile.passes.__all__``, never through a
+    submodule or a name the package does not export."""
+    import comera_compile.passes as passes
+
+    tree = ast.parse((PACKAGE / "api.py").read_text())
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "comera_compile.passes"
+        ):
+            assert node.module == "comera_compile.passes", f"api.py imports {node.module}"
+            used += [alias.name for alias in node.names]
+    assert used and set(used) <= set(passes.__all__)
