@@ -29,13 +29,13 @@ from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
 from comera_compile.passes.specs import LayerSpec
 
 INITS = ("random", "dense")
+LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear}
 
 
 def check_init(init: str) -> None:
     """``init`` must name a way to start the cores: ``"random"`` or ``"dense"`` (TT-SVD)."""
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
-LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear}
 
 
 def new_layer(
