@@ -19,7 +19,7 @@ import comera_compile.planner.cache as plan_cache
 import comera_compile.planner.planning as planning
 from comera_compile.planner import (
     EmbeddingPlan,
-    LayerPlan,
+    ForwardPlan,
     Network,
     Plan,
     PlanReport,
@@ -707,7 +707,7 @@ def test_records_and_report(tmp_path):
     assert rec20.macs < rec.macs and rec20.rows_bucket == 32
     assert rec20.sizes["b"] == 20 and 0 < rec20.ratio < 1
     emb = embedding_plan(*EMB_SHAPE, 30, 4096)
-    assert isinstance(plan, LayerPlan) and isinstance(emb, LayerPlan)  # one protocol
+    assert isinstance(plan, ForwardPlan) and isinstance(emb, ForwardPlan)  # one protocol
     rec_e = record_plan("embeddings.word", emb, dense_macs=0, batch_size=4096)
     assert rec_e.macs == emb.macs and rec_e.kind == "tt_embedding"
     assert rec_e.order.startswith("gather(")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from comera_compile.planner import LayerPlan, PlanRecord, next_power_of_two, record_plan
+from comera_compile.planner import ForwardPlan, PlanRecord, next_power_of_two, record_plan
 
 
 class PlannedLayer:
@@ -19,7 +19,7 @@ class PlannedLayer:
 
     _plans: dict
 
-    def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> LayerPlan:
+    def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> ForwardPlan:
         """Plan the forward for ``bucket`` rows (a power of two)."""
         raise NotImplementedError
 
@@ -33,7 +33,7 @@ class PlannedLayer:
 
     def plan_for(
         self, rows: int, dtype: torch.dtype | None = None, device_type: str | None = None
-    ) -> LayerPlan:
+    ) -> ForwardPlan:
         """The cached plan for this many rows (bucketed to a power of two); dtype and device
         default to the cores'."""
         if dtype is None or device_type is None:

@@ -9,14 +9,14 @@ from .network import BATCH, Network, next_power_of_two
 from .networks import tt_linear_network, ttm_linear_network
 from .plan import FORMAT_VERSION, Plan
 from .planning import plan_network
-from .protocol import LayerPlan, RowCost
+from .protocol import ForwardPlan, RowCost
 from .records import PlanRecord, PlanReport, record_plan
 
 __all__ = [
     "BATCH",
     "EmbeddingPlan",
     "FORMAT_VERSION",
-    "LayerPlan",
+    "ForwardPlan",
     "Network",
     "Objective",
     "PathCost",

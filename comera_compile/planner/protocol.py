@@ -24,8 +24,9 @@ class RowCost(NamedTuple):
 
 
 @runtime_checkable
-class LayerPlan(Protocol):
-    """The planning side: a chosen contraction for ``rows_bucket`` rows, and its cost."""
+class ForwardPlan(Protocol):
+    """How a layer's forward runs for ``rows_bucket`` rows (the decision and its cost), and
+    ``execute`` to run it."""
 
     kind: str
     rows_bucket: int

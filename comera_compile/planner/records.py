@@ -1,7 +1,7 @@
 """Plan records: one row per (layer, batch size) saying which tree runs and what it costs.
 
 ``comera_compile.plans(model, ...)`` builds a :class:`PlanReport` from layers; this module
-only knows the plan protocol (:class:`~comera_compile.planner.protocol.LayerPlan`), never
+only knows the plan protocol (:class:`~comera_compile.planner.protocol.ForwardPlan`), never
 which kind of plan it holds. Costs are re-evaluated at the record's own batch size (a plan serves a
 whole power-of-two bucket), so ``macs`` is what that batch really pays.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tables import text_table
-from .protocol import LayerPlan
+from .protocol import ForwardPlan
 
 
 @dataclass
@@ -85,7 +85,7 @@ class PlanReport:
         return text_table(header, rows, right={2, 3, 4, 5, 6})
 
 
-def record_plan(name: str, plan: LayerPlan, dense_macs: int, batch_size: int) -> PlanRecord:
+def record_plan(name: str, plan: ForwardPlan, dense_macs: int, batch_size: int) -> PlanRecord:
     """The record of ``plan`` serving layer ``name`` at exactly ``batch_size`` rows."""
     batch_size = int(batch_size)
     at = plan.cost_at(batch_size)
