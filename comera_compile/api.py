@@ -10,29 +10,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_compile.formats import positive_int, positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes import (
     Budget,
     OptimizeReport,
     Summary,
+    attach_report,
     capture,
+    check_format,
+    check_init,
     eligible_options,
+    exact_graph_module,
     find_candidates,
+    fuse_captured,
+    layer_records,
+    materialize,
+    on_meta,
+    output_weights,
     parse_budget,
     propagate_shapes,
+    restore_untouched,
     rewrite,
     select_layers,
+    split_attention,
     summary,
 )
-from comera_compile.passes.attention import restore_untouched, split_attention
-from comera_compile.passes.capture import MODULES, exact_graph_module
-from comera_compile.passes.fuse import fuse_captured
-from comera_compile.passes.materialize import materialize, on_meta
-from comera_compile.passes.report import REPORT_ATTR, layer_records
-from comera_compile.passes.rewrite import INITS
-from comera_compile.passes.specs import LINEAR_FORMATS
-from comera_compile.passes.spectra import output_weights
 from comera_compile.planner import PlanReport, parse_objective
 
 __all__ = [
@@ -49,17 +53,13 @@ def _totals(model: nn.Module, macs: int | None) -> dict[str, int | None]:
     }
 
 
-def _check_arguments(model, init, format, max_rank, objective) -> None:
+def _check_arguments(model, init, layer_format, max_rank, objective) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize takes an nn.Module, got {type(model).__name__}")
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    if format not in LINEAR_FORMATS:
-        raise ValueError(f"format must be one of {LINEAR_FORMATS}, got {format!r}")
-    if max_rank is not None and (
-        isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1
-    ):
-        raise ValueError(f"max_rank must be a positive int or None, got {max_rank!r}")
+    check_init(init)
+    check_format(layer_format)
+    if max_rank is not None:
+        positive_int("max_rank", max_rank)
     parse_objective(objective)
 
 
@@ -126,8 +126,12 @@ def optimize(
     changes, so the result is then the fused ``torch.fx.GraphModule`` (the model must trace
     exactly).
     """
-    _check_arguments(model, init, format, max_rank, objective)
-    if memory != "default" and not compile:
+    # The public keywords `format` and `compile` shadow builtins: bind them to plain names
+    # and drop them, so any later use of either name fails loudly instead of misleading.
+    layer_format, compile_result = format, compile
+    del format, compile
+    _check_arguments(model, init, layer_format, max_rank, objective)
+    if memory != "default" and not compile_result:
         raise ValueError(f"memory={memory!r} acts while compiling; pass compile=True")
     budget = parse_budget(budget)
     target = model if inplace else copy.deepcopy(model)
@@ -153,7 +157,7 @@ def optimize(
     if example_inputs is not None:
         shapes = propagate_shapes(target, example_inputs, {c.name for c in candidates})
         called = shapes.called
-    elif captured.path == MODULES and budget is not None and budget.flops is not None:
+    elif not captured.traced and budget is not None and budget.flops is not None:
         raise ValueError(
             "a flops budget needs example_inputs; the model could not be traced "
             "either, so pass example_inputs or make the model traceable"
@@ -167,7 +171,7 @@ def optimize(
         exclude,
         filter_fn,
         layer_config,
-        format,
+        layer_format,
         max_rank,
     )
     weights = None
@@ -198,8 +202,8 @@ def optimize(
         selection.skipped,
         _returned(target, captured.graph_exact),
     )
-    setattr(target, REPORT_ATTR, report)
-    if compile:  # in place (nn.Module.compile), so the result stays the user's class
+    attach_report(target, report)
+    if compile_result:  # in place (nn.Module.compile), so the result stays the user's class
         from comera_compile.compile import compile_model  # imports inductor: on demand
 
         compile_model(target, memory=memory, in_place=True)
@@ -242,9 +246,7 @@ def plans(
     layers = tensorized_layers(model)
     if not layers:
         raise ValueError("the model has no tensorized layer; run comera_compile.optimize first")
-    sizes = [int(b) for b in batch_sizes]
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch_sizes must be positive ints, got {list(batch_sizes)}")
+    sizes = positive_ints("batch_sizes", batch_sizes)
     return PlanReport(
         [layer.plan_record(name, b, dtype=dtype) for name, layer in layers.items() for b in sizes]
     )

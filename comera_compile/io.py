@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from comera_compile.nn.base import decode_layout
-from comera_compile.passes.report import REPORT_ATTR, OptimizeReport
+from comera_compile.passes.report import OptimizeReport, attach_report, report_of
 from comera_compile.passes.rewrite import apply_layouts
 
 MANIFEST, HF_CONFIG, HF_WEIGHTS = "comera.json", "config.json", "model.safetensors"
@@ -124,7 +124,7 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
         config = model.config
         config.architectures = [type(model).__name__]
         _replace_atomically(os.path.join(directory, HF_CONFIG), config.to_json_file)
-    report = getattr(model, REPORT_ATTR, None)
+    report = report_of(model)
     manifest = {
         "format_version": FORMAT_VERSION,
         "weights": weights,
@@ -302,5 +302,5 @@ def load(
             "with the configuration that was saved"
         ) from None
     if manifest.get("report"):
-        setattr(target, REPORT_ATTR, OptimizeReport(**manifest["report"]))
+        attach_report(target, OptimizeReport(**manifest["report"]))
     return returned

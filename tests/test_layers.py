@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from comera_compile.nn import LayoutMismatchError, TTEmbedding, TTLinear, TTMLinear
+from comera_compile.formats import chain_layout
+from comera_compile.nn import LayoutMismatchError, LowRankLinear, TTEmbedding, TTLinear, TTMLinear
 
 torch.manual_seed(0)
 
@@ -144,6 +145,25 @@ def test_prune_keeps_outputs_and_cuts_exact_count(make):
     assert not layer.prune_ranks()  # nothing left to remove
 
 
+@pytest.mark.parametrize("cls", [TTLinear, TTMLinear])
+def test_prune_while_last_graph_is_alive(cls):
+    """A loop that still holds last step's loss keeps autograd's per-leaf gradient
+    accumulator (with the old core shapes) alive; pruning must make autograd forget it, or
+    the next backward fails with a shape mismatch."""
+    torch.manual_seed(0)
+    layer = cls(16, 12, ranks=4, in_modes=[4, 4], out_modes=[3, 4])
+    x = torch.randn(5, 16)
+    held = layer(x).square().sum()
+    held.backward(retain_graph=True)  # the old graph stays reachable through `held`
+    with torch.no_grad():
+        layer.gates[0][:2] = 0.0
+    assert layer.prune_ranks().total_removed == 2
+    layer.zero_grad()
+    layer(x).square().sum().backward()
+    assert [tuple(c.grad.shape) for c in layer.cores] == [tuple(c.shape) for c in layer.cores]
+    assert held.grad_fn is not None  # the old graph really was alive throughout
+
+
 def test_pruned_layer_saves_and_loads_exactly():
     layer = TTLinear(64, 48, ranks=6)
     with torch.no_grad():
@@ -198,6 +218,47 @@ def test_bad_arguments_name_the_fix():
         TTMLinear(0, 10)
     with pytest.raises(ValueError, match=r"\(\*, 32\)"):
         TTLinear(32, 8, ranks=2)(torch.randn(4, 31))
+
+
+@pytest.mark.parametrize(
+    "fmt, sizes, kwargs",
+    [
+        ("tt", (768, 3072), {"ranks": 30}),
+        ("tt", (100, 10), {"ranks": 4, "order": 3}),
+        ("ttm", (768, 3072), {"ranks": 16}),
+        ("ttm", (96, 40), {"ranks": [1, 5, 7, 1], "in_modes": [4, 4, 6]}),
+        ("lowrank", (48, 40), {"ranks": 100}),
+        ("tt_embedding", (1000, 64), {"ranks": 8}),
+        ("tt_embedding", (30, 12), {"ranks": 3, "col_modes": [3, 4]}),
+    ],
+)
+def test_chain_layout_is_what_the_constructor_builds(fmt, sizes, kwargs):
+    """The selection pass checks settings with chain_layout instead of building layers:
+    the layout must be exactly the built layer's modes and (clipped) ranks."""
+    kwargs = dict(kwargs)
+    ranks = kwargs.pop("ranks")
+    if fmt == "tt_embedding":
+        layer = TTEmbedding(*sizes, ranks=ranks, **kwargs)
+        first, second = layer.row_modes, layer.col_modes
+        modes = (kwargs.get("row_modes"), kwargs.get("col_modes"))
+    else:
+        cls = {"tt": TTLinear, "ttm": TTMLinear, "lowrank": LowRankLinear}[fmt]
+        layer = cls(*sizes, ranks=ranks, **kwargs)
+        first, second = layer.in_modes, layer.out_modes
+        modes = (kwargs.get("in_modes"), kwargs.get("out_modes"))
+    chain = chain_layout(fmt, *sizes, ranks, *modes, kwargs.get("order"))
+    assert (chain.first, chain.second, chain.ranks) == (first, second, layer.ranks)
+
+
+def test_layout_errors_speak_the_layers_words():
+    with pytest.raises(ValueError, match=r"in_modes=\[4, 4, 6\] and out_modes=\[5, 8\] need"):
+        TTMLinear(96, 40, in_modes=[4, 4, 6], out_modes=[5, 8])
+    with pytest.raises(ValueError, match="num_embeddings must be a positive int"):
+        chain_layout("tt_embedding", 0, 8, 2)
+    with pytest.raises(ValueError, match="one mode per side"):
+        LowRankLinear(48, 40, order=2)
+    with pytest.raises(ValueError, match="unknown format 'cp'"):
+        chain_layout("cp", 4, 4, 2)
 
 
 def test_dtype_and_leading_dims_like_nn_linear():

@@ -227,15 +227,30 @@ def test_hf_conv1d_dense_init_is_exact():
     torch.testing.assert_close(layer(x), conv(x), rtol=1e-4, atol=1e-4)
 
 
-def test_transformer_encoder_eval_fast_path_is_skipped():
-    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 256, batch_first=True), 2)
+@pytest.mark.parametrize("budget", [0.1, 0.7])  # attention tensorized / kept dense
+def test_transformer_encoder_eval_fast_path_is_skipped(budget):
+    """In eval under no_grad PyTorch would run TransformerEncoder(Layer) through fused
+    kernels that read the dense weights; with tensorized layers inside, the model must take
+    the ordinary forward through them: the same numbers as with the fast path switched off."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 1024, batch_first=True), 2)
     x = torch.randn(2, 5, 64)
     mask = torch.zeros(2, 5, dtype=torch.bool)
-    model = cc.optimize(enc, 0.1, example_inputs=x, compile=False).eval()
+    mask[1, 3:] = True
+    model = cc.optimize(enc, budget, example_inputs=x, compile=False).eval()
     assert isinstance(model.layers[0].linear1, TTLinear)
-    assert isinstance(model.layers[0].self_attn, SplitMultiheadAttention)
+    attention = type(model.layers[0].self_attn)
+    assert attention is (SplitMultiheadAttention if budget < 0.5 else nn.MultiheadAttention)
+    assert torch.backends.mha.get_fastpath_enabled()
     with torch.no_grad():
-        assert model(x, src_key_padding_mask=mask).shape == (2, 5, 64)
+        out = model(x, src_key_padding_mask=mask)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            reference = model(x, src_key_padding_mask=mask)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    assert out.shape == (2, 5, 64) and not out.is_nested
+    torch.testing.assert_close(out, reference)
 
 
 # ----- report -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from comera_compile.training import (
     LATE,
     Plateau,
     RankAdaptiveTrainer,
+    effective_ranks_by_layer,
     late_stage_loss,
     model_size,
     param_groups,
@@ -97,6 +98,9 @@ def test_model_size_counts_live_channels_and_other_params():
     with torch.no_grad():
         layer.gates[1][0] = 0.0  # rank 3 -> 2 on bond 2: cores 1 and 2 lose 6 and 4
     assert model_size(model) == 38 - 10 + 6 + other
+    assert effective_ranks_by_layer(model) == {"0": [1, 2, 2, 2, 1]} == {
+        "0": layer.effective_ranks()
+    }
     assert model_size(model, in_bytes=True) == (28 + 6 + 4) * 8 + 10 * 4  # float32 Linear
     assert tensorized_compression(model) == pytest.approx(24 / 28)
 

@@ -20,13 +20,32 @@ from .factorize import (
     ttm_modes,
     zero_pad,
 )
+from .layout import (
+    LOWRANK,
+    TT,
+    TT_CHAINS,
+    TT_EMBEDDING,
+    TTM,
+    ChainLayout,
+    chain_layout,
+    check_low_rank,
+    modes_cover,
+)
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
 from .tt import merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
 from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
 
 __all__ = [
+    "ChainLayout",
+    "LOWRANK",
+    "TT",
+    "TTM",
+    "TT_CHAINS",
+    "TT_EMBEDDING",
     "Factorization",
+    "chain_layout",
     "chain_ranks",
+    "check_low_rank",
     "choose_order",
     "clip_ranks",
     "core_params",
@@ -35,6 +54,7 @@ __all__ = [
     "fit_ranks",
     "internal_ranks",
     "merge_cores",
+    "modes_cover",
     "positive_int",
     "positive_ints",
     "rank_caps",

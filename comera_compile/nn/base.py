@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, alive, fold_gates
+from comera_compile.nn.planned import PlannedLayer
 
 
 class LayoutMismatchError(ValueError):
@@ -72,14 +73,26 @@ class PruneResult:
         return self.total_removed > 0
 
 
+def _forget_grad_accumulator(param: nn.Parameter) -> None:
+    """Make autograd drop the gradient accumulator it caches for the leaf ``param``.
+
+    Autograd keeps one accumulator node per leaf, recording the leaf's shape, for as long as
+    any graph that used the leaf is alive (a training loop that still holds last step's
+    loss). Once the leaf shrinks, the next backward would check its gradient against the
+    old shape and fail. PyTorch offers no public call to drop that cache
+    (``torch.utils.swap_tensors`` refuses a leaf the optimizer and graph still reference);
+    ``Variable.set_data`` drops it whenever the assigned data has another dtype, so we
+    assign an empty tensor of another dtype. ``test_prune_while_last_graph_is_alive`` in
+    tests/test_layers.py fails if PyTorch ever changes this.
+    """
+    other = torch.float32 if param.dtype == torch.float64 else torch.float64
+    param.data = param.data.new_empty(0, dtype=other)
+
+
 def _slice_parameter(param: nn.Parameter, dim: int, index: Tensor) -> None:
     """Shrink a parameter in place, keeping its identity (optimizers hold the object)."""
     kept = param.data.index_select(dim, index).contiguous()
-    # Autograd caches a gradient accumulator per leaf, with the leaf's shape, while any
-    # graph using it is alive (a loop holding last step's loss); setting .data of another
-    # dtype first makes it drop that cache, so the next backward accepts the new shape.
-    other = torch.float32 if kept.dtype == torch.float64 else torch.float64
-    param.data = kept.new_empty(0, dtype=other)
+    _forget_grad_accumulator(param)
     param.data = kept
     if param.grad is not None:
         param.grad = param.grad.index_select(dim, index).contiguous()
@@ -98,7 +111,7 @@ def _round_up_kept(keep: Tensor, gate: Tensor, multiple_of: int) -> Tensor:
     return keep
 
 
-class TensorizedLayer(nn.Module):
+class TensorizedLayer(PlannedLayer, nn.Module):
     """Base class: cores + rank gates + pruning + a state dict that carries the layout."""
 
     format: str = ""

@@ -1,21 +1,40 @@
-"""The part TTLinear and TTMLinear share: padding, bias, and a forward through the planner."""
+"""The part every planned Linear shares (TTLinear, TTMLinear, LowRankLinear, the tied head):
+bias, padding, ``from_dense``, and a forward through the planner."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_compile.nn.base import output_dtype
-from comera_compile.planner import PlanRecord, get_plan, next_power_of_two, plan_records_for
+from comera_compile.nn.planned import PlannedLayer
+from comera_compile.planner import Plan, get_plan
 from comera_compile.planner.ops import planned_contract
 
 
-class PlannedLinearMixin:
-    """Mixed into a ``TensorizedLayer`` that defines ``in_modes``, ``out_modes``,
-    ``network_cores()`` and ``_network(rows)``."""
+def linear_init_std(in_features: int) -> float:
+    """The standard deviation of ``nn.Linear``'s default weight, ``1 / sqrt(3 in_features)``:
+    random cores are drawn so that their product has it."""
+    return 1.0 / math.sqrt(3 * in_features)
+
+
+def squeeze_boundary_bonds(cores: list[Tensor]) -> list[Tensor]:
+    """A chain's cores with the rank-1 axes at both ends dropped, as the planner's networks
+    have them (a single core loses both)."""
+    if len(cores) == 1:
+        return [cores[0].reshape(cores[0].shape[1:-1])]
+    cores[0] = cores[0].reshape(cores[0].shape[1:])
+    cores[-1] = cores[-1].reshape(cores[-1].shape[:-1])
+    return cores
+
+
+class PlannedLinearMixin(PlannedLayer):
+    """Mixed into a layer that defines ``gated_cores()``, ``_network(rows)`` and (to be
+    built from a dense Linear) ``_decompose(weight, ranks, tolerance)``."""
 
     in_features: int
     out_features: int
@@ -37,13 +56,58 @@ class PlannedLinearMixin:
             "bias": self.bias is not None,
         }
 
-    def _init_bias(self, bias: bool, device, dtype) -> None:
+    def _init_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        in_modes: tuple[int, ...],
+        out_modes: tuple[int, ...],
+        bias: bool,
+    ) -> None:
+        """Record the Linear's sizes and modes; a bias like ``nn.Linear``'s, on the cores'
+        device and dtype."""
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_modes, self.out_modes = tuple(in_modes), tuple(out_modes)
         if not bias:
             self.register_parameter("bias", None)
             return
+        core = self.cores[0]
         bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default
-        self.bias = nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_features, device=core.device,
+                                             dtype=core.dtype))
         nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_dense(
+        cls,
+        module: nn.Linear,
+        ranks: int | Sequence[int] | None = None,
+        tolerance: float | None = None,
+        **kwargs,
+    ):
+        """The layer's decomposition of a Linear's weight (TT-SVD or TTM-SVD), truncated to
+        ``ranks`` and/or the relative error ``tolerance`` (exact when neither is given)."""
+        layer = cls(
+            module.in_features,
+            module.out_features,
+            ranks=1,
+            bias=module.bias is not None,
+            device=module.weight.device,
+            dtype=module.weight.dtype,
+            **kwargs,
+        )
+        layer._set_cores(layer._decompose(module.weight.detach(), ranks, tolerance))
+        if module.bias is not None:
+            layer.bias.data.copy_(module.bias.detach())
+        return layer
+
+    def _decompose(self, weight: Tensor, ranks, tolerance) -> list[Tensor]:
+        """Cores of the ``(out_features, in_features)`` weight, truncated."""
+        raise NotImplementedError
+
+    def network_cores(self) -> list[Tensor]:
+        """Gated cores shaped as the planner's network has them."""
+        return squeeze_boundary_bonds(self.gated_cores())
 
     @property
     def padded_in(self) -> int:
@@ -65,31 +129,18 @@ class PlannedLinearMixin:
             y = y + self.bias.to(y.dtype)  # a float32 bias must not promote a bf16 output
         return y.reshape(*lead, self.out_features)
 
-    def plan_for(self, rows: int, dtype: torch.dtype, device_type: str):
-        """The cached contraction plan for this many input rows (bucketed to a power of two)."""
-        key = (next_power_of_two(rows), dtype, device_type)
-        plan = self._plans.get(key)
-        if plan is None:
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            plan = get_plan(
-                self._network(key[0]),
-                dtype=dtype,
-                device_type=device_type,
-                objective=self.objective,
-                autotune=self.autotune and not capturing,  # timing would sync the host
-            )
-            self._plans[key] = plan
-        return plan
+    def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> Plan:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return get_plan(
+            self._network(bucket),
+            dtype=dtype,
+            device_type=device_type,
+            objective=self.objective,
+            autotune=self.autotune and not capturing,  # timing would sync the host
+        )
 
-    def plan_record(
-        self, name: str, batch_size: int, dtype: torch.dtype | None = None, device_type=None
-    ) -> PlanRecord:
-        """Which contraction order runs for ``batch_size`` rows, and what it costs."""
-        weight = self.cores[0]
-        dtype = dtype or weight.dtype
-        plan = self.plan_for(batch_size, dtype, device_type or weight.device.type)
-        dense_macs = batch_size * self.in_features * self.out_features
-        return plan_records_for(name, self._network(batch_size), plan, dense_macs, batch_size)
+    def dense_macs(self, rows: int) -> int:
+        return rows * self.in_features * self.out_features
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:

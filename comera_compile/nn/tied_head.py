@@ -10,8 +10,6 @@ its bias (if it had one).
 
 from __future__ import annotations
 
-import math
-
 from torch import Tensor, nn
 
 from comera_compile.nn.base import encode_layout
@@ -46,6 +44,9 @@ class TiedEmbeddingHead(PlannedLinearMixin, nn.Module):
     def dense_parameters(self) -> int:
         return 0  # the weight is the embedding's
 
+    def _plan_reference(self) -> Tensor:
+        return self.embedding.cores[0]
+
     def layout(self) -> dict:
         return {"format": TIED_HEAD, "embedding": self.tied_to, "bias": self.bias is not None}
 
@@ -55,20 +56,11 @@ class TiedEmbeddingHead(PlannedLinearMixin, nn.Module):
     def set_extra_state(self, state) -> None:
         pass
 
-    def network_cores(self) -> list[Tensor]:
-        cores = self.embedding.gated_cores()
-        if len(cores) == 1:
-            return [cores[0].reshape(cores[0].shape[1], cores[0].shape[2])]
-        cores[0] = cores[0].reshape(cores[0].shape[1:])
-        cores[-1] = cores[-1].reshape(cores[-1].shape[:-1])
-        return cores
+    def gated_cores(self) -> list[Tensor]:
+        return self.embedding.gated_cores()
 
     def _network(self, rows: int):
         return ttm_linear_network(self.in_modes, self.out_modes, self.embedding.ranks, rows)
-
-    @property
-    def padded_out(self) -> int:
-        return math.prod(self.out_modes)
 
     def extra_repr(self) -> str:
         return (f"{self.in_features} -> {self.out_features}, cores of '{self.tied_to}', "

@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from comera_compile.formats import (
     fit_ranks,
+    modes_cover,
     positive_int,
     ttm_modes,
     ttm_random_cores,
@@ -33,10 +34,9 @@ from comera_compile.formats import (
     ttm_to_dense,
     zero_pad,
 )
-from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
-from comera_compile.planner import PlanRecord, embedding_plan, next_power_of_two, plan_records_for
+from comera_compile.planner import EmbeddingPlan, embedding_plan
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
@@ -44,6 +44,11 @@ _BAG_MODES = (None, "sum", "mean", "max")
 
 class TTEmbedding(TensorizedLayer):
     """``nn.Embedding`` (or, with ``mode=``, ``nn.EmbeddingBag``) replacement in TTM format.
+
+    The name says TT (tensor train); the layout is TTM (tensor-train *matrix*): the
+    ``(num_embeddings, embedding_dim)`` table is one chain of cores
+    ``(r_{k-1}, row_modes[k], col_modes[k], r_k)``, one per (vocabulary mode, dim mode)
+    pair, as in TT-Rec and CoMERA. It is not the TT-linear layout of ``TTLinear``.
 
     ``sparse=True`` is accepted so that a recommender's table swaps in unchanged; the cores'
     gradients are dense either way (``declared_sparse`` remembers what the table asked for).
@@ -108,19 +113,12 @@ class TTEmbedding(TensorizedLayer):
             "col_modes": list(self.col_modes),
         }
 
-    def plan_for(self, rows: int):
-        """The cached lookup plan (which bond to split the chain at) for this many ids."""
-        key = next_power_of_two(rows)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = embedding_plan(self.row_modes, self.col_modes, self.ranks, key)
-            self._plans[key] = plan
-        return plan
+    def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> EmbeddingPlan:
+        """Which bond to split the chain at for ``bucket`` ids (dtype-independent)."""
+        return embedding_plan(self.row_modes, self.col_modes, self.ranks, bucket)
 
-    def plan_record(self, name: str, batch_size: int, **_) -> PlanRecord:
-        """The lookup plan for ``batch_size`` ids; the dense baseline is one row copy per id."""
-        plan = self.plan_for(batch_size)
-        return plan_records_for(name, plan, plan, batch_size * self.embedding_dim, batch_size)
+    def dense_macs(self, rows: int) -> int:
+        return rows * self.embedding_dim  # the dense baseline copies one row per id
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table."""

@@ -7,26 +7,22 @@ cores in the order the planner chose for this batch size; the dense weight is ne
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from comera_compile.formats import (
-    fit_ranks,
+    chain_layout,
     merge_cores,
-    positive_int,
-    tt_linear_modes,
     tt_random_cores,
     tt_svd,
     tt_to_dense,
     zero_pad,
 )
-from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
-from comera_compile.nn.linear_common import PlannedLinearMixin
+from comera_compile.nn.linear_common import PlannedLinearMixin, linear_init_std
 from comera_compile.planner import tt_linear_network
 
 
@@ -48,29 +44,14 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        in_features = positive_int("in_features", in_features)
-        out_features = positive_int("out_features", out_features)
-        auto_in, auto_out = tt_linear_modes(in_features, out_features, order)
-        in_modes = modes_cover("in_modes", in_modes or auto_in.modes, in_features)
-        out_modes = modes_cover("out_modes", out_modes or auto_out.modes, out_features)
-        rank_list = fit_ranks(in_modes + out_modes, ranks)
-        # nn.Linear's default weight variance is 1 / (3 in_features); match it.
-        sigma = 1.0 / math.sqrt(3 * in_features)
-        cores = tt_random_cores(in_modes, out_modes, rank_list, sigma, dtype=dtype, device=device)
+        chain = chain_layout(self.format, in_features, out_features, ranks, in_modes, out_modes,
+                             order)
+        std = linear_init_std(in_features)
+        cores = tt_random_cores(chain.first, chain.second, chain.ranks, std, dtype, device)
         super().__init__(cores, threshold)
-        self.in_features, self.out_features = in_features, out_features
-        self.in_modes, self.out_modes = in_modes, out_modes
-        self._init_bias(bias, device, dtype)
+        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
 
     # ----- the contraction ----------------------------------------------------------------
-    def network_cores(self) -> list[Tensor]:
-        """Gated cores with the boundary rank-1 axes squeezed, as the planner's network has them."""
-        cores = self.gated_cores()
-        first, last = cores[0], cores[-1]
-        cores[0] = first.reshape(first.shape[1], first.shape[2])
-        cores[-1] = last.reshape(last.shape[0], last.shape[1])
-        return cores
-
     def _network(self, rows: int):
         return tt_linear_network(self.in_modes, self.out_modes, self.ranks, rows)
 
@@ -89,30 +70,10 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         full = tt_to_dense(self.gated_cores(), self.in_modes, self.out_modes)
         return full[: self.in_features, : self.out_features].T
 
-    @classmethod
-    def from_dense(
-        cls,
-        module: nn.Linear,
-        ranks: int | Sequence[int] | None = None,
-        tolerance: float | None = None,
-        **kwargs,
-    ) -> TTLinear:
-        """TT-SVD of a Linear's weight (full rank when neither ``ranks`` nor ``tolerance``)."""
-        layer = cls(
-            module.in_features,
-            module.out_features,
-            ranks=1,
-            bias=module.bias is not None,
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-            **kwargs,
-        )
-        weight = zero_pad(module.weight.detach().T, layer.padded_in, layer.padded_out)
-        cores = tt_svd(weight, layer.in_modes, layer.out_modes, max_rank=ranks, tolerance=tolerance)
-        layer._set_cores(cores)
-        if module.bias is not None:
-            layer.bias.data.copy_(module.bias.detach())
-        return layer
+    def _decompose(self, weight: Tensor, ranks, tolerance) -> list[Tensor]:
+        """TT-SVD of an ``(out, in)`` Linear weight, transposed and zero-padded to the modes."""
+        padded = zero_pad(weight.T, self.padded_in, self.padded_out)
+        return tt_svd(padded, self.in_modes, self.out_modes, max_rank=ranks, tolerance=tolerance)
 
 
 def merge_right(cores: Sequence[Tensor]) -> Tensor:

@@ -7,32 +7,29 @@ half as long, which suits small batches where sweeping the input through it is c
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from comera_compile.formats import (
-    fit_ranks,
-    positive_int,
-    ttm_modes,
+    TTM,
+    chain_layout,
     ttm_random_cores,
     ttm_svd,
     ttm_to_dense,
     zero_pad,
 )
-from comera_compile.nn._checks import modes_cover
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
-from comera_compile.nn.linear_common import PlannedLinearMixin
+from comera_compile.nn.linear_common import PlannedLinearMixin, linear_init_std
 from comera_compile.planner import ttm_linear_network
 
 
 class TTMLinear(PlannedLinearMixin, TensorizedLayer):
     """``nn.Linear`` replacement in TTM format, with rank gates on every internal bond."""
 
-    format = "ttm"
+    format = TTM
 
     def __init__(
         self,
@@ -47,35 +44,11 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        in_features = positive_int("in_features", in_features)
-        out_features = positive_int("out_features", out_features)
-        if order is None and (in_modes is not None or out_modes is not None):
-            order = len(in_modes if in_modes is not None else out_modes)
-        auto_out, auto_in = ttm_modes(out_features, in_features, order)
-        in_modes = modes_cover("in_modes", in_modes or auto_in.modes, in_features)
-        out_modes = modes_cover("out_modes", out_modes or auto_out.modes, out_features)
-        if len(in_modes) != len(out_modes):
-            raise ValueError(
-                f"TTM needs as many input as output modes, got {list(in_modes)} and "
-                f"{list(out_modes)}; use TTLinear for unequal orders"
-            )
-        dims = [m * n for m, n in zip(out_modes, in_modes)]
-        rank_list = fit_ranks(dims, ranks)
-        sigma = 1.0 / math.sqrt(3 * in_features)  # nn.Linear's default weight variance
-        cores = ttm_random_cores(out_modes, in_modes, rank_list, sigma, dtype=dtype, device=device)
+        chain = chain_layout(TTM, in_features, out_features, ranks, in_modes, out_modes, order)
+        std = linear_init_std(in_features)
+        cores = ttm_random_cores(chain.second, chain.first, chain.ranks, std, dtype, device)
         super().__init__(cores, threshold)
-        self.in_features, self.out_features = in_features, out_features
-        self.in_modes, self.out_modes = in_modes, out_modes
-        self._init_bias(bias, device, dtype)
-
-    def network_cores(self) -> list[Tensor]:
-        """Gated cores with boundary rank-1 axes squeezed, as the planner's network has them."""
-        cores = self.gated_cores()
-        if len(cores) == 1:
-            return [cores[0].reshape(cores[0].shape[1], cores[0].shape[2])]
-        cores[0] = cores[0].reshape(cores[0].shape[1:])
-        cores[-1] = cores[-1].reshape(cores[-1].shape[:-1])
-        return cores
+        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
 
     def _network(self, rows: int):
         return ttm_linear_network(self.in_modes, self.out_modes, self.ranks, rows)
@@ -94,29 +67,7 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
         full = ttm_to_dense(self.gated_cores(), self.out_modes, self.in_modes)
         return full[: self.out_features, : self.in_features]
 
-    @classmethod
-    def from_dense(
-        cls,
-        module: nn.Linear,
-        ranks: int | Sequence[int] | None = None,
-        tolerance: float | None = None,
-        **kwargs,
-    ) -> TTMLinear:
-        """TTM-SVD of a Linear's weight (full rank when neither ``ranks`` nor ``tolerance``)."""
-        layer = cls(
-            module.in_features,
-            module.out_features,
-            ranks=1,
-            bias=module.bias is not None,
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-            **kwargs,
-        )
-        weight = zero_pad(module.weight.detach(), layer.padded_out, layer.padded_in)
-        cores = ttm_svd(
-            weight, layer.out_modes, layer.in_modes, max_rank=ranks, tolerance=tolerance
-        )
-        layer._set_cores(cores)
-        if module.bias is not None:
-            layer.bias.data.copy_(module.bias.detach())
-        return layer
+    def _decompose(self, weight: Tensor, ranks, tolerance) -> list[Tensor]:
+        """TTM-SVD of an ``(out, in)`` Linear weight, zero-padded to the modes."""
+        padded = zero_pad(weight, self.padded_out, self.padded_in)
+        return ttm_svd(padded, self.out_modes, self.in_modes, max_rank=ranks, tolerance=tolerance)

@@ -1,13 +1,24 @@
 """torch.fx passes behind ``optimize``: capture -> shapes -> select -> rewrite -> report.
 
 Each pass is a plain function on plain data, so each can be tested (and reused) alone.
+The names below are the passes' public surface: ``optimize`` uses nothing else.
 """
 
+from comera_compile.passes.attention import restore_untouched, split_attention
 from comera_compile.passes.budget import Budget, parse_budget, parse_bytes
 from comera_compile.passes.candidates import Candidate, find_candidates
-from comera_compile.passes.capture import Capture, capture
-from comera_compile.passes.report import OptimizeReport, Summary, summary
-from comera_compile.passes.rewrite import build_layer, rewrite
+from comera_compile.passes.capture import Capture, capture, exact_graph_module
+from comera_compile.passes.fuse import fuse_captured
+from comera_compile.passes.materialize import materialize, on_meta
+from comera_compile.passes.report import (
+    OptimizeReport,
+    Summary,
+    attach_report,
+    layer_records,
+    report_of,
+    summary,
+)
+from comera_compile.passes.rewrite import build_layer, check_init, rewrite
 from comera_compile.passes.select import (
     DEFAULT_MAX_RANK,
     Selection,
@@ -15,7 +26,8 @@ from comera_compile.passes.select import (
     select_layers,
 )
 from comera_compile.passes.shapes import LayerShape, ShapeInfo, propagate_shapes
-from comera_compile.passes.specs import LayerSpec
+from comera_compile.passes.specs import LayerSpec, check_format
+from comera_compile.passes.spectra import output_weights
 
 __all__ = [
     "DEFAULT_MAX_RANK",
@@ -28,14 +40,26 @@ __all__ = [
     "Selection",
     "ShapeInfo",
     "Summary",
+    "attach_report",
     "build_layer",
     "capture",
+    "check_format",
+    "check_init",
     "eligible_options",
+    "exact_graph_module",
     "find_candidates",
+    "fuse_captured",
+    "layer_records",
+    "materialize",
+    "on_meta",
+    "output_weights",
     "parse_budget",
     "parse_bytes",
     "propagate_shapes",
+    "report_of",
+    "restore_untouched",
     "rewrite",
     "select_layers",
+    "split_attention",
     "summary",
 ]

@@ -41,7 +41,12 @@ def layer_kind(module: nn.Module) -> str | None:
 
 @dataclass
 class Candidate:
-    """One layer that could become a tensorized layer."""
+    """One layer that could become a tensorized layer.
+
+    Every kind is read as a matrix ``in_features x out_features``: for an embedding table
+    that is ``num_embeddings x embedding_dim`` (the vocabulary is ``in_features``), so the
+    passes treat Linear and Embedding alike; ``LayerSpec`` carries the same convention.
+    """
 
     name: str
     module: nn.Module

@@ -38,6 +38,11 @@ class Capture:
     called: set[str] | None  # qualified names of modules the forward runs; None = unknown
     graph_exact: str = "not traced"  # "" when a GraphModule is exact, else why it is not
 
+    @property
+    def traced(self) -> bool:
+        """Whether a graph of the forward was read (fx or export), not just its modules."""
+        return self.path != MODULES
+
 
 def shorten(exc: BaseException, limit: int = 160) -> str:
     """``"TypeError: first line of the message"``, cut to ``limit`` characters."""

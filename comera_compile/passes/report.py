@@ -19,7 +19,7 @@ from comera_compile.passes.specs import LayerSpec
 from comera_compile.passes.spectra import relative_error
 from comera_compile.tables import text_table
 
-REPORT_ATTR = "_comera_report"
+REPORT_ATTR = "_comera_report"  # read and written only through the two functions below
 
 
 @dataclass
@@ -35,6 +35,16 @@ class OptimizeReport:
     originals: dict[str, dict[str, Any]] = field(default_factory=dict)  # per swapped layer
     skipped: dict[str, str] = field(default_factory=dict)
     returned: str = ""  # which form optimize returned, and why
+
+
+def attach_report(model: nn.Module, report: OptimizeReport) -> None:
+    """Leave ``report`` on ``model`` for ``summary`` (and ``save``) to find."""
+    setattr(model, REPORT_ATTR, report)
+
+
+def report_of(model: nn.Module) -> OptimizeReport | None:
+    """The report ``optimize`` (or ``load``) left on ``model``, if any."""
+    return getattr(getattr(model, "_orig_mod", model), REPORT_ATTR, None)
 
 
 def live_spec(layer: TensorizedLayer) -> LayerSpec:
@@ -154,7 +164,7 @@ def _swapped(model: nn.Module, name: str) -> bool:
 def summary(model: nn.Module) -> Summary:
     """Summarise the tensorized layers of ``model`` (after ``optimize`` or built by hand)."""
     model = getattr(model, "_orig_mod", model)  # under torch.compile
-    report: OptimizeReport | None = getattr(model, REPORT_ATTR, None)
+    report = report_of(model)
     originals = report.originals if report else {}
     records = [
         _layer_record(name, module, originals.get(name))

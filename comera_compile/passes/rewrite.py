@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from comera_compile.formats import LOWRANK, TT, TT_EMBEDDING, TTM
 from comera_compile.nn import (
     DEFAULT_THRESHOLD,
     LowRankLinear,
@@ -25,10 +26,16 @@ from comera_compile.nn.attention import SPLIT_ATTENTION
 from comera_compile.nn.tied_head import TIED_HEAD
 from comera_compile.nn.tt_embedding import dense_options
 from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
-from comera_compile.passes.specs import LOWRANK, TT, TT_EMBEDDING, TTM, LayerSpec
+from comera_compile.passes.specs import LayerSpec
 
 INITS = ("random", "dense")
 LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear}
+
+
+def check_init(init: str) -> None:
+    """``init`` must name a way to start the cores: ``"random"`` or ``"dense"`` (TT-SVD)."""
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
 
 
 def new_layer(
@@ -87,8 +94,7 @@ def build_layer(
         if cand.bias and not meta:  # keep the trained (or initialised) bias: it costs nothing
             layer.bias.data.copy_(cand.module.bias.detach())
         return layer
-    if init != "dense":
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    check_init(init)
     internal = ranks[1:-1]
     with torch.no_grad():
         if cand.is_embedding:
@@ -101,19 +107,17 @@ def build_layer(
         )
 
 
-def _skip_fused_path(module, args):
-    """A no-op pre-hook. PyTorch's fused TransformerEncoderLayer kernel reads
-    ``linear1.weight`` directly and is skipped whenever a hook is attached."""
-    return None
-
-
 def _fix_fused_transformers(model: nn.Module) -> None:
-    """Keep nn.TransformerEncoder(Layer) off their fused kernels once a Linear is tensorized."""
+    """Keep nn.TransformerEncoder off its nested-tensor path once a layer inside is
+    tensorized (that path reads the first layer's dense weights directly).
+
+    The encoder *layer*'s fused eval kernel needs no switch: it would read ``linear1.weight``
+    and friends, and a tensorized layer's ``weight`` is a meta placeholder, which the
+    kernel's guard refuses (its tensors must be on a real device), so the layer runs its
+    ordinary forward through our modules. ``test_transformer_encoder_eval_fast_path_is_skipped``
+    compares that forward with the fast path switched off and fails if the guard changes.
+    """
     for module in model.modules():
-        if isinstance(module, nn.TransformerEncoderLayer):
-            for child in (module.linear1, module.linear2):
-                if isinstance(child, TensorizedLayer) and not child._forward_pre_hooks:
-                    child.register_forward_pre_hook(_skip_fused_path)
         if isinstance(module, nn.TransformerEncoder):
             layer = module.layers[0]
             if any(isinstance(m, (TensorizedLayer, SplitMultiheadAttention))
@@ -258,8 +262,7 @@ def rewrite(
 ) -> nn.Module:
     """Swap every chosen layer (under each of its names) in place and return ``model``.
     Layers of a model on the meta device get their cores on ``device``."""
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    check_init(init)
     for name, (cand, spec) in chosen.items():
         layer = build_layer(cand, spec, init, device)
         layer.train(cand.module.training)

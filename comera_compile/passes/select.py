@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from comera_compile.formats import TT_EMBEDDING, chain_layout
 from comera_compile.passes.allocate import (
     MIN_COMPRESSION,
     LayerPlan,
@@ -28,11 +29,9 @@ from comera_compile.passes.budget import Budget
 from comera_compile.passes.candidates import CONV1D, LINEAR, Candidate
 from comera_compile.passes.objectives import capacity_loss, error_loss
 from comera_compile.passes.order import pick_order
-from comera_compile.passes.rewrite import new_layer
 from comera_compile.passes.shapes import LayerShape
 from comera_compile.passes.specs import (
     LINEAR_FORMATS,
-    TT_EMBEDDING,
     LayerSpec,
     auto_modes,
     make_spec,
@@ -116,20 +115,20 @@ def _format_for(cand: Candidate, requested: str | None, default: str, name: str)
 
 
 def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str) -> _Option:
-    """An option from layer_config, checked by building the layer on the meta device."""
+    """An option from layer_config, checked by computing the layer's layout."""
     fmt = _format_for(cand, cfg.get("format"), default_fmt, cand.name)
     keys = ("row_modes", "col_modes") if cand.is_embedding else ("in_modes", "out_modes")
     in_modes, out_modes = cfg.get(keys[0]), cfg.get(keys[1])
     ranks = cfg.get("ranks", 1)
     try:
-        probe = new_layer(cand, fmt, ranks, in_modes, out_modes, cfg.get("order"), "meta")
+        chain = chain_layout(fmt, cand.in_features, cand.out_features, ranks, in_modes,
+                             out_modes, cfg.get("order"))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"layer_config for '{cand.name}': {exc}") from None
-    ins, outs = (probe.row_modes, probe.col_modes) if cand.is_embedding else (
-        probe.in_modes, probe.out_modes)
+    ins, outs = chain.first, chain.second
     option = _Option(cand, fmt, tuple(ins), tuple(outs), 1, None, forced=True)
     if "ranks" in cfg:
-        option.fixed = make_spec(cand, fmt, probe.ranks, ins, outs)
+        option.fixed = make_spec(cand, fmt, chain.ranks, ins, outs)
     return option
 
 

@@ -12,24 +12,37 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from comera_compile.formats import (
+    LOWRANK,
+    TT,
+    TT_CHAINS,
+    TTM,
+    chain_layout,
     clip_ranks,
     tt_linear_macs,
-    tt_linear_modes,
     tt_linear_params,
     ttm_linear_macs,
-    ttm_modes,
     ttm_params,
 )
 from comera_compile.passes.candidates import Candidate
 
-TT, TTM, TT_EMBEDDING, LOWRANK = "tt", "ttm", "tt_embedding", "lowrank"
 LINEAR_FORMATS = (TT, TTM, LOWRANK)
-TT_CHAINS = (TT, LOWRANK)  # a low-rank layer is a TT chain with one mode per side
+
+
+def check_format(fmt: str, name: str = "format") -> None:
+    """``fmt`` must name a Linear format: ``"tt"``, ``"ttm"`` or ``"lowrank"``."""
+    if fmt not in LINEAR_FORMATS:
+        raise ValueError(f"{name} must be one of {LINEAR_FORMATS}, got {fmt!r}")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """How one layer is tensorized. ``in_modes``/``out_modes`` are row/col modes for embeddings."""
+    """How one layer is tensorized.
+
+    For an embedding (``format == "tt_embedding"``) the Linear-shaped names mean the table's:
+    ``in_features`` is the vocabulary size, ``out_features`` the embedding dim, and
+    ``in_modes`` / ``out_modes`` are the row (vocabulary) / column (dim) modes, as
+    ``Candidate`` reads an embedding (``row_modes`` / ``col_modes`` name them too).
+    """
 
     format: str
     in_features: int
@@ -38,6 +51,16 @@ class LayerSpec:
     out_modes: tuple[int, ...]
     ranks: tuple[int, ...]  # full list, boundary 1s included
     bias: bool
+
+    @property
+    def row_modes(self) -> tuple[int, ...]:
+        """An embedding's vocabulary modes (``in_modes``)."""
+        return self.in_modes
+
+    @property
+    def col_modes(self) -> tuple[int, ...]:
+        """An embedding's embedding-dim modes (``out_modes``)."""
+        return self.out_modes
 
     @property
     def chain_dims(self) -> list[int]:
@@ -91,17 +114,8 @@ def auto_modes(
     order: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The modes the layer constructor would pick (user-given modes win)."""
-    if fmt == LOWRANK:
-        order = 1
-    elif order is None and fmt != TT and (in_modes or out_modes):
-        order = len(in_modes or out_modes)
-    if fmt in TT_CHAINS:
-        auto_in, auto_out = tt_linear_modes(cand.in_features, cand.out_features, order)
-    elif fmt == TTM:
-        auto_out, auto_in = ttm_modes(cand.out_features, cand.in_features, order)
-    else:
-        auto_in, auto_out = ttm_modes(cand.in_features, cand.out_features, order)
-    return tuple(in_modes or auto_in.modes), tuple(out_modes or auto_out.modes)
+    chain = chain_layout(fmt, cand.in_features, cand.out_features, 1, in_modes, out_modes, order)
+    return chain.first, chain.second
 
 
 def make_spec(

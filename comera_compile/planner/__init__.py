@@ -9,12 +9,14 @@ from .network import BATCH, Network, next_power_of_two
 from .networks import tt_linear_network, ttm_linear_network
 from .plan import FORMAT_VERSION, Plan
 from .planning import plan_network
-from .records import PlanRecord, PlanReport, plan_records_for
+from .protocol import ForwardPlan, RowCost
+from .records import PlanRecord, PlanReport, record_plan
 
 __all__ = [
     "BATCH",
     "EmbeddingPlan",
     "FORMAT_VERSION",
+    "ForwardPlan",
     "Network",
     "Objective",
     "PathCost",
@@ -22,6 +24,7 @@ __all__ = [
     "PlanRecord",
     "PlanReport",
     "Program",
+    "RowCost",
     "cache_dir",
     "clear_memory_cache",
     "compile_program",
@@ -31,7 +34,7 @@ __all__ = [
     "next_power_of_two",
     "parse_objective",
     "plan_network",
-    "plan_records_for",
+    "record_plan",
     "run_program",
     "tt_linear_network",
     "ttm_linear_network",

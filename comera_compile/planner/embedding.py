@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .network import next_power_of_two
 from .networks import _positive, internal_ranks
+from .protocol import RowCost
 
 CHAIN = -1
 """``EmbeddingPlan.split`` value for the per-core gather + per-row chain strategy."""
@@ -59,6 +60,7 @@ class EmbeddingPlan:
     peak: int
     kind: str = "tt_embedding"
     objective: str = "macs"
+    optimizer = "comera.split_search"  # what chose the split (a class constant, not a field)
 
     @property
     def cost(self) -> float:
@@ -117,6 +119,22 @@ class EmbeddingPlan:
             return f"gather({names[0]})"
         left, right = " . ".join(names[: self.split]), " . ".join(names[self.split :])
         return f"gather({left}) . gather({right})"
+
+    def cost_at(self, rows: int) -> RowCost:
+        """Macs and peak of this split for exactly ``rows`` ids (the objective is macs)."""
+        rows = int(rows)
+        if self.split == 0:
+            macs, peak = 0, max(self.row_modes[0] * self.col_modes[0], rows * self.col_modes[0])
+        elif self.split == CHAIN:
+            macs, peak = chain_costs(self.row_modes, self.col_modes, self.ranks, rows)
+        else:
+            costs = split_costs(self.row_modes, self.col_modes, self.ranks, rows)
+            macs, _, peak = costs[self.split]
+        return RowCost(macs, peak, macs, {**self.sizes, "b": rows})
+
+    def execute(self, ids: Tensor, *cores: Tensor) -> Tensor:
+        """The execution side of the plan protocol: :meth:`lookup` of ``ids``."""
+        return self.lookup(ids, cores)
 
     def to_dict(self) -> dict[str, Any]:
         return {

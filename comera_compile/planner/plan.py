@@ -11,7 +11,10 @@ from typing import Any
 
 from torch import Tensor
 
+from .costs import evaluate_path
 from .executor import Program, compile_program, run_program
+from .network import BATCH
+from .protocol import RowCost
 
 FORMAT_VERSION = 2
 
@@ -71,6 +74,16 @@ class Plan:
             exprs.append(" . ".join(parts))
             nested.append(True)
         return exprs[-1]
+
+    def cost_at(self, rows: int) -> RowCost:
+        """The costs re-evaluated with the batch index at exactly ``rows``."""
+        sizes = dict(self.sizes)
+        if BATCH in sizes:
+            sizes[BATCH] = int(rows)
+        cost = evaluate_path(
+            self.inputs, self.output, sizes, self.path, self.objective, self.training
+        )
+        return RowCost(cost.macs, cost.peak, cost.cost, sizes)
 
     def program(self) -> Program:
         if self._program is None:

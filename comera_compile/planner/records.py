@@ -1,7 +1,8 @@
 """Plan records: one row per (layer, batch size) saying which tree runs and what it costs.
 
 ``comera_compile.plans(model, ...)`` builds a :class:`PlanReport` from layers; this module
-only knows plans. Costs are re-evaluated at the record's own batch size (a plan serves a
+only knows the plan protocol (:class:`~comera_compile.planner.protocol.ForwardPlan`), never
+which kind of plan it holds. Costs are re-evaluated at the record's own batch size (a plan serves a
 whole power-of-two bucket), so ``macs`` is what that batch really pays.
 """
 
@@ -13,10 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tables import text_table
-from .costs import evaluate_path
-from .embedding import CHAIN, EmbeddingPlan, chain_costs, split_costs
-from .network import BATCH, Network
-from .plan import Plan
+from .protocol import ForwardPlan
 
 
 @dataclass
@@ -87,68 +85,24 @@ class PlanReport:
         return text_table(header, rows, right={2, 3, 4, 5, 6})
 
 
-def plan_records_for(
-    name: str,
-    network_or_embedding_plan: Network | EmbeddingPlan,
-    plan: Plan | EmbeddingPlan,
-    dense_macs: int,
-    batch_size: int,
-) -> PlanRecord:
-    """The record of ``plan`` serving layer ``name`` at ``batch_size`` rows."""
+def record_plan(name: str, plan: ForwardPlan, dense_macs: int, batch_size: int) -> PlanRecord:
+    """The record of ``plan`` serving layer ``name`` at exactly ``batch_size`` rows."""
     batch_size = int(batch_size)
-    source = network_or_embedding_plan
-    if isinstance(source, EmbeddingPlan) or isinstance(plan, EmbeddingPlan):
-        emb = plan if isinstance(plan, EmbeddingPlan) else source
-        macs, peak = _embedding_cost_at(emb, batch_size)
-        return PlanRecord(
-            name,
-            emb.kind,
-            batch_size,
-            emb.order_expression(),
-            macs,
-            peak,
-            int(dense_macs),
-            _ratio(macs, dense_macs),
-            emb.equation,
-            {**emb.sizes, "b": batch_size},
-            emb.path,
-            emb.objective,
-            macs,
-            "comera.split_search",
-            emb.rows_bucket,
-        )
-    network = source.with_sizes(**{BATCH: batch_size}) if source.rows is not None else source
-    cost = evaluate_path(
-        network.inputs, network.output, network.size_dict, plan.path, plan.objective, plan.training
-    )
+    at = plan.cost_at(batch_size)
     return PlanRecord(
         name,
         plan.kind,
         batch_size,
         plan.order_expression(),
-        cost.macs,
-        cost.peak,
+        at.macs,
+        at.peak,
         int(dense_macs),
-        _ratio(cost.macs, dense_macs),
+        at.macs / dense_macs if dense_macs else float("nan"),
         plan.equation,
-        network.size_dict,
+        at.sizes,
         list(plan.path),
         plan.objective,
-        cost.cost,
+        at.cost,
         plan.optimizer,
         plan.rows_bucket,
     )
-
-
-def _embedding_cost_at(emb: EmbeddingPlan, rows: int) -> tuple[int, int]:
-    """Macs and peak of ``emb``'s split for exactly ``rows`` ids."""
-    if emb.split == 0:
-        return 0, max(emb.row_modes[0] * emb.col_modes[0], rows * emb.col_modes[0])
-    if emb.split == CHAIN:
-        return chain_costs(emb.row_modes, emb.col_modes, emb.ranks, rows)
-    total, _, peak = split_costs(emb.row_modes, emb.col_modes, emb.ranks, rows)[emb.split]
-    return total, peak
-
-
-def _ratio(macs: int, dense: int) -> float:
-    return macs / dense if dense else float("nan")

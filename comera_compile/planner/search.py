@@ -6,7 +6,10 @@ Which search ran is returned as a string and lands in the plan and its records.
 
 from __future__ import annotations
 
+import contextlib
+import random
 import warnings
+from collections.abc import Iterator
 
 import cotengra
 
@@ -20,6 +23,19 @@ MAX_OPTIMAL_OPERANDS = 16
 """Up to here cotengra's exact search runs (connected subgraphs only above the previous)."""
 HYPER_REPEATS = 32
 HYPER_SEED = 0
+
+
+@contextlib.contextmanager
+def _seeded_global_random(seed: int) -> Iterator[None]:
+    """cotengra's greedy trials draw their noise (size jitter, Gumbel scores) from the global
+    ``random`` module; its ``seed`` only seeds the sampler of trial settings. Seed the global
+    generator for the search and give the caller's state back afterwards."""
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 def cotengra_path(network: Network, objective: Objective) -> tuple[list[tuple[int, int]], str]:
@@ -36,7 +52,7 @@ def cotengra_path(network: Network, objective: Objective) -> tuple[list[tuple[in
         return [tuple(map(int, p)) for p in path], (
             f"cotengra.OptimalOptimizer(search_outer={outer})"
         )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _seeded_global_random(HYPER_SEED):
         warnings.simplefilter("ignore")
         opt = cotengra.HyperOptimizer(
             methods=["greedy"],

@@ -1,20 +1,13 @@
 """Rank-adaptive training (CoMERA): penalty, two stages, pruning with optimizer state,
 history and plots. Pieces that drop into a plain PyTorch training loop."""
 
+from comera_compile.nn import tensorized_layers
 from comera_compile.training.bank import GateBank
 from comera_compile.training.distill import distill, distill_loss
 from comera_compile.training.distributed import PrunableDDP
 from comera_compile.training.groups import param_groups
 from comera_compile.training.history import History
-from comera_compile.training.penalty import (
-    core_l2,
-    effective_ranks,
-    model_size,
-    rank_penalty,
-    soft_size,
-    tensorized_compression,
-    tensorized_layers,
-)
+from comera_compile.training.penalty import core_l2, rank_penalty, soft_size
 from comera_compile.training.plots import plot_compression, plot_ranks
 from comera_compile.training.pruning import keep_min_rank, prune_model, slice_optimizer_state
 from comera_compile.training.schedule import (
@@ -24,6 +17,11 @@ from comera_compile.training.schedule import (
     Plateau,
     late_stage_loss,
     size_weight,
+)
+from comera_compile.training.size import (
+    effective_ranks_by_layer,
+    model_size,
+    tensorized_compression,
 )
 from comera_compile.training.trainer import RankAdaptiveTrainer
 
@@ -39,7 +37,7 @@ __all__ = [
     "core_l2",
     "distill",
     "distill_loss",
-    "effective_ranks",
+    "effective_ranks_by_layer",
     "keep_min_rank",
     "late_stage_loss",
     "model_size",

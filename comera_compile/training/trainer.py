@@ -44,11 +44,11 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from comera_compile.formats import positive_int
 from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
 from comera_compile.training.distributed import Collective, unwrap
 from comera_compile.training.history import History
-from comera_compile.training.penalty import model_size
 from comera_compile.training.pruning import (
     channel_scores,
     choose_removals,
@@ -58,6 +58,7 @@ from comera_compile.training.pruning import (
     switch_off,
 )
 from comera_compile.training.schedule import EARLY, LATE, BudgetSchedule, Plateau, size_weight
+from comera_compile.training.size import model_size
 
 
 def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
@@ -67,9 +68,7 @@ def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
         raise ValueError("epochs and steps_per_epoch go together (total = their product)")
     if epochs is not None:
         total_steps = epochs * steps_per_epoch
-    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
-        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
-    return total_steps
+    return None if total_steps is None else positive_int("total_steps", total_steps)
 
 
 class RankAdaptiveTrainer:
@@ -103,8 +102,7 @@ class RankAdaptiveTrainer:
         for name, value in (("early_steps", early_steps), ("prune_every", prune_every)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
-        if not isinstance(min_rank, int) or min_rank < 1:
-            raise ValueError(f"min_rank must be a positive int, got {min_rank!r}")
+        min_rank = positive_int("min_rank", min_rank)
         if not 0 <= settle_fraction < 1:
             raise ValueError(f"settle_fraction must be in [0, 1), got {settle_fraction}")
         self.total_steps = _run_length(total_steps, epochs, steps_per_epoch)

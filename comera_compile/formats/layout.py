@@ -1,0 +1,111 @@
+"""A chain's layout from a layer's arguments: modes per side and the full rank list.
+
+Layer constructors and the selection pass both need "what would this layer be" from the
+same arguments (sizes, optional modes, order, ranks); ``chain_layout`` answers it once,
+with pure arithmetic, so checking a user's settings never builds a layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._checks import positive_int, positive_ints
+from .factorize import tt_linear_modes, ttm_modes
+from .ranks import fit_ranks
+
+TT, TTM, LOWRANK, TT_EMBEDDING = "tt", "ttm", "lowrank", "tt_embedding"
+"""The layer formats: TT and TTM Linear, low-rank ``W = U V`` (a TT chain of order 1), and
+the TTM-format embedding table."""
+TT_CHAINS = (TT, LOWRANK)  # a chain of single-mode cores: input modes, then output modes
+
+_ARGUMENT_NAMES = {  # the constructors' names of (sizes, modes), for errors in their words
+    TT_EMBEDDING: ("num_embeddings", "embedding_dim", "row_modes", "col_modes"),
+}
+_LINEAR_NAMES = ("in_features", "out_features", "in_modes", "out_modes")
+
+
+@dataclass(frozen=True)
+class ChainLayout:
+    """The modes of both sides and the full ranks ``[1, r_1, .., 1]`` of a chain.
+
+    For Linear layers (every format) ``first`` are the input modes and ``second`` the
+    output modes; for an embedding table they are its row (vocabulary) and column
+    (embedding-dim) modes.
+    """
+
+    first: tuple[int, ...]
+    second: tuple[int, ...]
+    ranks: list[int]
+
+
+def modes_cover(name: str, modes: Sequence[int], features: int) -> tuple[int, ...]:
+    """Modes must be positive ints whose product covers the feature count (padding allowed)."""
+    modes = positive_ints(name, modes)
+    if math.prod(modes) < features:
+        raise ValueError(
+            f"{name}={list(modes)} multiply to {math.prod(modes)} < {features}; choose modes "
+            f"whose product is at least {features} (leave them as None to factorize "
+            "automatically, padding where the size does not factor)"
+        )
+    return modes
+
+
+def check_low_rank(
+    order: int | None, in_modes: Sequence[int] | None, out_modes: Sequence[int] | None
+) -> None:
+    """A low-rank ``W = U V`` is a TT chain with one mode per side: refuse anything else."""
+    if order not in (None, 1):
+        raise ValueError(
+            f"a low-rank layer has one mode per side (order 1), got order={order!r}; "
+            "use TTLinear (format='tt') for higher orders"
+        )
+    for name, modes in (("in_modes", in_modes), ("out_modes", out_modes)):
+        if modes is not None and len(modes) != 1:
+            raise ValueError(
+                f"a low-rank layer has one mode per side, got {name}={list(modes)}; "
+                "leave it as None or use TTLinear (format='tt') for several modes"
+            )
+
+
+def chain_layout(
+    fmt: str,
+    first_size: int,
+    second_size: int,
+    ranks: int | Sequence[int],
+    first_modes: Sequence[int] | None = None,
+    second_modes: Sequence[int] | None = None,
+    order: int | None = None,
+) -> ChainLayout:
+    """The layout a layer of format ``fmt`` gets: sizes are ``(in_features, out_features)``
+    for a Linear and ``(num_embeddings, embedding_dim)`` for an embedding. Modes not given
+    are factorized (a TTM chain takes its order from given modes); ``ranks`` is an int or a
+    rank list, clipped to what each bond can hold."""
+    if fmt not in (*TT_CHAINS, TTM, TT_EMBEDDING):
+        raise ValueError(f"unknown format {fmt!r}; use one of {(TT, TTM, LOWRANK)}")
+    names = _ARGUMENT_NAMES.get(fmt, _LINEAR_NAMES)
+    first_size = positive_int(names[0], first_size)
+    second_size = positive_int(names[1], second_size)
+    if fmt == LOWRANK:
+        check_low_rank(order, first_modes, second_modes)
+        order = 1
+    if fmt in TT_CHAINS:
+        auto = tt_linear_modes(first_size, second_size, order)
+    else:
+        if order is None and (first_modes is not None or second_modes is not None):
+            order = len(first_modes if first_modes is not None else second_modes)
+        # the weight's rows are the output side: TTM row modes descend (see ttm_modes)
+        auto = ttm_modes(first_size, second_size, order)
+        if fmt == TTM:
+            auto = ttm_modes(second_size, first_size, order)[::-1]
+    ms = modes_cover(names[2], first_modes or auto[0].modes, first_size)
+    ns = modes_cover(names[3], second_modes or auto[1].modes, second_size)
+    if fmt in TT_CHAINS:
+        return ChainLayout(ms, ns, fit_ranks(ms + ns, ranks))
+    if len(ms) != len(ns):
+        raise ValueError(
+            f"a TTM chain pairs its modes, so {names[2]}={list(ms)} and {names[3]}={list(ns)} "
+            "need the same length; use TTLinear (format='tt') for unequal orders"
+        )
+    return ChainLayout(ms, ns, fit_ranks([m * n for m, n in zip(ms, ns)], ranks))
