@@ -60,6 +60,13 @@ class DLRM(nn.Module):
         self.register_buffer("_pair_cols", cols, persistent=False)
         self.top = _mlp((dim + rows.numel(), *top, 1), last_relu=False)
 
+    def reset_parameters(self) -> None:
+        """Refill the pair indices (what a model built on the meta device needs)."""
+        vectors = len(self.tables) + 1
+        rows, cols = torch.tril_indices(vectors, vectors, offset=-1)
+        self._pair_rows.copy_(rows)
+        self._pair_cols.copy_(cols)
+
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
         """``dense``: (batch, 13) floats; ``sparse``: (tables, batch, ids per bag) ints.
 
@@ -70,6 +77,33 @@ class DLRM(nn.Module):
         z = torch.stack([x, *pooled], dim=1)  # (batch, 27, dim)
         dots = torch.bmm(z, z.transpose(1, 2))[:, self._pair_rows, self._pair_cols]
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+
+
+class Adagrad:
+    """Adagrad over a model whose tables may keep sparse gradients: one fused (single-pass)
+    kernel for every dense gradient (MLPs, TT cores) and the plain kernel for the
+    ``sparse=True`` tables left dense, since the fused one takes no sparse gradients."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        sparse = {
+            id(m.weight)
+            for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        }
+        params = [p for p in model.parameters() if p.requires_grad]
+        dense = [p for p in params if id(p) not in sparse]
+        rest = [p for p in params if id(p) in sparse]
+        self.optimizers = [torch.optim.Adagrad(dense, lr=lr, fused=True)] if dense else []
+        if rest:
+            self.optimizers.append(torch.optim.Adagrad(rest, lr=lr))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
 
 
 def _hash_unit(ids: Tensor, salt: int) -> Tensor:
