@@ -98,8 +98,10 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
             model = DLRM(cards)
         example = tuple(x.to("meta") for x in data.batch(64, seed=HELD_OUT_SEED + 1)[:2])
         include = args.include.split(",") if args.include else None
+        exclude = args.exclude.split(",") if args.exclude else None
         model = cc.optimize(model, args.budget, example_inputs=example, compile=False,
-                            inplace=True, max_rank=args.max_rank, include=include)
+                            inplace=True, max_rank=args.max_rank, include=include,
+                            exclude=exclude)
         opt = Adagrad(model, lr=args.comera_lr)
     else:
         raise ValueError(f"unknown row {row!r}")
@@ -151,7 +153,9 @@ def main() -> None:
     parser.add_argument("--dense-lr", type=float, default=1.0)  # best of 0.2, 1.0
     parser.add_argument("--comera-lr", type=float, default=0.03)  # best of .01, .03, .1
     parser.add_argument("--max-rank", type=int, default=None, help="cap on the TT ranks")
-    parser.add_argument("--include", default="", help="comma-separated layer name patterns")
+    parser.add_argument("--include", default="", help="layers to tensorize (name patterns, "
+                        "comma-separated; default: what the budget picks)")
+    parser.add_argument("--exclude", default="", help="layers to keep dense (name patterns)")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per row (1: steadier on a shared machine)")
