@@ -5,8 +5,10 @@ table ``(M_R, r_s, N_R)``; a row id splits into ``id // M_R`` and ``id % M_R``, 
 gathers one slice, and one bmm per batch gives ``(N_L, N_R)`` per row. The merges cost
 the same for every batch while the bmm grows with it, so the best split bond depends on
 the number of ids: we pick the one with the fewest total multiply-adds. For a handful of
-ids no merge pays off: ``split = CHAIN`` gathers each core's slice per id and contracts
-the chain per row (cost linear in the ids, nothing shared).
+ids no merge pays off: ``split = CHAIN`` contracts the chain per row, one core at a time
+(cost linear in the ids, nothing shared). Eagerly the rows meet each core in buckets of
+equal mode index, one bmm over the core's slices, so a slice is read once per batch; while
+compiled (no host reads) each row gathers its own slices.
 """
 
 from __future__ import annotations
@@ -191,13 +193,18 @@ class EmbeddingPlan:
         digits.reverse()
         rows = ids.shape[0]
         acc = cores[0][0].index_select(0, digits[0])  # (b, n_1, r_1)
-        bucketed = not torch.compiler.is_compiling()  # the buckets' depth is read on the host
+        bucketed = not (torch.compiler.is_compiling() or _capturing())  # reads a depth
         for k in range(1, len(m)):
             if gates is not None:  # scale the bond between cores k-1 and k
                 acc = acc * gates[k - 1].to(acc.dtype)
             step = _contract_bucketed if bucketed else _contract_gathered
             acc = step(acc, cores[k], digits[k])
         return acc.reshape(rows, math.prod(n))
+
+
+def _capturing() -> bool:
+    """True inside CUDA Graph capture, where the host may not read a tensor."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
