@@ -226,8 +226,8 @@ def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
     of the core is read once per batch instead of once per row, and the core's gradient
     comes straight out of the bmm's backward (no scatter of per-row slice gradients).
     The workspace is ``m * depth`` rows of ``(w, r)``: proportional to the ids when their
-    digits spread (hashed ids do); ids sharing one digit (a run of small ids) pad it up to
-    ``m`` times, still less than the per-row slices of the gathered form at ranks > m.
+    digits spread (hashed ids do); ids sharing one digit (a run of small ids) make it up
+    to ``m`` times larger.
     """
     rows, width, rank = acc.shape
     r, m, n, r_next = core.shape
