@@ -6,15 +6,16 @@ click stream, in its own child process, and reports side by side:
 
 - size: parameters of the trained model (the ratio is dense over this row);
 - peak memory: peak RSS during the training steps minus the RSS before the model was
-  built (the peak is reset with /proc/self/clear_refs once the model is ready, so building
-  the dense model that ``optimize`` starts from is not counted, its tables are freed);
+  built (the peak is reset with /proc/self/clear_refs once the model is ready; the
+  compressed row builds its DLRM on the meta device, so no dense table ever exists there);
 - step time: median wall time of forward + backward + optimizer step (batches are made
   outside the timer), and held-out log loss / AUC after the last step.
 
 Rows: ``dense`` is what real DLRMs do (``nn.EmbeddingBag(sparse=True)``, plain SGD, which
 takes sparse gradients and keeps no state); ``comera`` is ``optimize`` under a budget
 (TT embedding bags for the large tables, what the budget leaves dense stays dense) trained
-with Adagrad; ``torchrec`` is TorchRec's EmbeddingBagCollection when it is installed.
+with Adagrad (fused over the dense gradients); ``torchrec`` is TorchRec's
+EmbeddingBagCollection when it is installed.
 
     python benchmarks/dlrm.py                      # full Criteo Kaggle tables (~2.2 GB dense)
     python benchmarks/dlrm.py --scale 0.01 --steps 100   # a quick look
@@ -40,6 +41,7 @@ from comera_compile.machine import describe_machine  # noqa: E402
 from comera_compile.models.dlrm import (  # noqa: E402
     CRITEO_KAGGLE_CARDINALITIES,
     DLRM,
+    Adagrad,
     SyntheticClicks,
     auc,
     log_loss,
@@ -85,17 +87,22 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
     cards = _cardinalities(args.scale)
     data = SyntheticClicks(cards, bag=args.bag)
     held_dense, held_sparse, held_labels = data.batch(args.held_out, seed=HELD_OUT_SEED)
+    with torch.device("meta"):
+        dense_params = sum(p.numel() for p in DLRM(cards).parameters())
     before = _status_bytes("VmRSS")
-    model = DLRM(cards)
-    dense_params = sum(p.numel() for p in model.parameters())
     if row == "dense":
+        model = DLRM(cards)
         opt = torch.optim.SGD(model.parameters(), lr=args.dense_lr)
     elif row == "comera":
-        example = data.batch(64, seed=HELD_OUT_SEED + 1)[:2]
-        model = cc.optimize(
-            model, args.budget, example_inputs=example, compile=False, inplace=True
-        )
-        opt = torch.optim.Adagrad(model.parameters(), lr=args.comera_lr)
+        with torch.device("meta"):  # the dense tables are never allocated
+            model = DLRM(cards)
+        example = tuple(x.to("meta") for x in data.batch(64, seed=HELD_OUT_SEED + 1)[:2])
+        include = args.include.split(",") if args.include else None
+        exclude = args.exclude.split(",") if args.exclude else None
+        model = cc.optimize(model, args.budget, example_inputs=example, compile=False,
+                            inplace=True, max_rank=args.max_rank, include=include,
+                            exclude=exclude)
+        opt = Adagrad(model, lr=args.comera_lr)
     else:
         raise ValueError(f"unknown row {row!r}")
     params = sum(p.numel() for p in model.parameters())
@@ -144,7 +151,11 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=16384)
     parser.add_argument("--budget", default="100x")
     parser.add_argument("--dense-lr", type=float, default=1.0)  # best of 0.2, 1.0
-    parser.add_argument("--comera-lr", type=float, default=0.03)  # best of .01, .03, .1
+    parser.add_argument("--comera-lr", type=float, default=0.03)  # .1 diverges at batch 2048
+    parser.add_argument("--max-rank", type=int, default=None, help="cap on the TT ranks")
+    parser.add_argument("--include", default="", help="layers to tensorize (name patterns, "
+                        "comma-separated; default: what the budget picks)")
+    parser.add_argument("--exclude", default="", help="layers to keep dense (name patterns)")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per row (1: steadier on a shared machine)")

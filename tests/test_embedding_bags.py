@@ -7,6 +7,8 @@ gradient must equal the dense table's gradient pulled back through ``to_dense``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from torch import nn
 import comera_compile as cc
 import comera_compile.compile  # noqa: F401  (the lookup as one op under torch.compile)
 from comera_compile.nn import TTEmbedding
+from comera_compile.planner.embedding import CHAIN
 from tests.models import DLRM, dlrm_batch
 
 
@@ -34,23 +37,36 @@ def _dense_twin(layer: TTEmbedding) -> nn.EmbeddingBag:
 
 
 def _pulled_back(layer: TTEmbedding, table_grad: torch.Tensor) -> list[torch.Tensor]:
-    """d(loss)/d(cores) given d(loss)/d(table): the chain rule through ``to_dense``."""
+    """d(loss)/d(cores, gates) given d(loss)/d(table): the chain rule through ``to_dense``."""
     layer.zero_grad()
     (layer.to_dense() * table_grad).sum().backward()
-    grads = [c.grad.clone() for c in layer.cores]
+    grads = [p.grad.clone() for p in [*layer.cores, *layer.gates]]
     layer.zero_grad()
     return grads
+
+
+def _force_split(layer: TTEmbedding, split: str) -> None:
+    """Make every lookup use one strategy: the per-row chain or merged halves (bond 1)."""
+    if split == "planned":
+        return
+    plan_for = layer.plan_for
+    bond = CHAIN if split == "chain" else 1
+    layer.plan_for = lambda rows: dataclasses.replace(plan_for(rows), split=bond)
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("include_last_offset", [False, True])
 @pytest.mark.parametrize("padding_idx", [None, 2])
-def test_bag_matches_embedding_bag_outputs_and_grads(mode, include_last_offset, padding_idx):
+@pytest.mark.parametrize("split", ["chain", "halves"])
+def test_bag_matches_embedding_bag_outputs_and_grads(mode, include_last_offset, padding_idx, split):
     layer = TTEmbedding(
         600, 12, ranks=5, mode=mode, padding_idx=padding_idx,
         include_last_offset=include_last_offset,
     ).double()
     _random_gates(layer)
+    with torch.no_grad():
+        layer.gates[0][1] = 0.0  # one channel switched off: its gradient must be zero
+    _force_split(layer, split)
     dense = _dense_twin(layer)
     ids = torch.tensor([4, 2, 4, 9, 599, 0, 2, 7, 7, 7, 31])
     offsets = torch.tensor([0, 3, 3, 6, 8])  # one empty bag, one bag of repeats
@@ -62,17 +78,20 @@ def test_bag_matches_embedding_bag_outputs_and_grads(mode, include_last_offset, 
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     (out * weight).sum().backward()
     (expected * weight).sum().backward()
-    got = [c.grad.clone() for c in layer.cores]
-    for g, e in zip(got, _pulled_back(layer, dense.weight.grad)):
+    got = [p.grad.clone() for p in [*layer.cores, *layer.gates]]
+    for g, e in zip(got, _pulled_back(layer, dense.weight.grad), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
+    assert float(got[len(layer.cores)][1]) == 0.0
 
 
 @pytest.mark.parametrize("include_last_offset", [False, True])
-def test_per_sample_weights_match_embedding_bag(include_last_offset):
+@pytest.mark.parametrize("split", ["chain", "halves"])
+def test_per_sample_weights_match_embedding_bag(include_last_offset, split):
     layer = TTEmbedding(
         300, 8, ranks=4, mode="sum", padding_idx=5, include_last_offset=include_last_offset
     ).double()
     _random_gates(layer)
+    _force_split(layer, split)
     dense = _dense_twin(layer)
     ids = torch.tensor([5, 1, 1, 299, 40, 5, 17])
     offsets = torch.tensor([0, 2, 5] + ([7] if include_last_offset else []))
@@ -83,7 +102,25 @@ def test_per_sample_weights_match_embedding_bag(include_last_offset):
     out.pow(2).sum().backward()
     expected.pow(2).sum().backward()
     torch.testing.assert_close(psw.grad, psw_dense.grad, rtol=1e-10, atol=1e-10)
-    for g, e in zip([c.grad.clone() for c in layer.cores], _pulled_back(layer, dense.weight.grad)):
+    got = [p.grad.clone() for p in [*layer.cores, *layer.gates]]
+    for g, e in zip(got, _pulled_back(layer, dense.weight.grad), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
+
+
+def test_chain_lookup_with_full_buckets_matches_the_table():
+    """Many ids over few mode values: the chain's buckets hold many rows each (and uneven
+    ones), outputs and core gradients still equal the dense table's."""
+    layer = TTEmbedding(4_000, 16, ranks=[3, 7, 5], order=4, mode="sum").double()
+    _random_gates(layer)
+    _force_split(layer, "chain")
+    dense = _dense_twin(layer)
+    ids = torch.cat([torch.randint(0, 4_000, (300,)), torch.full((20,), 17)]).view(-1, 4)
+    out, expected = layer(ids), dense(ids)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    got = [p.grad.clone() for p in [*layer.cores, *layer.gates]]
+    for g, e in zip(got, _pulled_back(layer, dense.weight.grad), strict=True):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
 
 

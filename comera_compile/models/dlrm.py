@@ -54,11 +54,13 @@ class DLRM(nn.Module):
         self.tables = nn.ModuleList(
             nn.EmbeddingBag(int(n), dim, mode="sum", sparse=sparse) for n in cardinalities
         )
-        vectors = len(cardinalities) + 1
-        rows, cols = torch.tril_indices(vectors, vectors, offset=-1)
-        self.register_buffer("_pair_rows", rows, persistent=False)
-        self.register_buffer("_pair_cols", cols, persistent=False)
-        self.top = _mlp((dim + rows.numel(), *top, 1), last_relu=False)
+        pairs = _lower_pairs(len(cardinalities) + 1)
+        self.register_buffer("_pairs", pairs, persistent=False)
+        self.top = _mlp((dim + pairs.numel(), *top, 1), last_relu=False)
+
+    def reset_parameters(self) -> None:
+        """Refill the pair indices (what a model built on the meta device needs)."""
+        self._pairs.copy_(_lower_pairs(len(self.tables) + 1))
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
         """``dense``: (batch, 13) floats; ``sparse``: (tables, batch, ids per bag) ints.
@@ -68,8 +70,42 @@ class DLRM(nn.Module):
         x = self.bottom(dense)
         pooled = [table(sparse[i]) for i, table in enumerate(self.tables)]
         z = torch.stack([x, *pooled], dim=1)  # (batch, 27, dim)
-        dots = torch.bmm(z, z.transpose(1, 2))[:, self._pair_rows, self._pair_cols]
+        dots = torch.bmm(z, z.transpose(1, 2)).flatten(1).index_select(1, self._pairs)
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+
+
+def _lower_pairs(vectors: int) -> Tensor:
+    """Flat indices of the ``i > j`` entries of a ``vectors x vectors`` matrix (one gather
+    picks them: its backward is an index_add, cheaper than advanced indexing's)."""
+    rows, cols = torch.tril_indices(vectors, vectors, offset=-1)
+    return rows * vectors + cols
+
+
+class Adagrad:
+    """Adagrad over a model whose tables may keep sparse gradients: one fused (single-pass)
+    kernel for every dense gradient (MLPs, TT cores) and the plain kernel for the
+    ``sparse=True`` tables left dense, since the fused one takes no sparse gradients."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        sparse = {
+            id(m.weight)
+            for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        }
+        params = [p for p in model.parameters() if p.requires_grad]
+        dense = [p for p in params if id(p) not in sparse]
+        rest = [p for p in params if id(p) in sparse]
+        self.optimizers = [torch.optim.Adagrad(dense, lr=lr, fused=True)] if dense else []
+        if rest:
+            self.optimizers.append(torch.optim.Adagrad(rest, lr=lr))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
 
 
 def _hash_unit(ids: Tensor, salt: int) -> Tensor:

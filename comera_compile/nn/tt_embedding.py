@@ -35,7 +35,7 @@ from comera_compile.formats import (
     zero_pad,
 )
 from comera_compile.nn.base import TensorizedLayer
-from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
 from comera_compile.planner import EmbeddingPlan, embedding_plan
 from comera_compile.planner.ops import planned_lookup
 
@@ -125,7 +125,8 @@ class TTEmbedding(TensorizedLayer):
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
-        rows = self.plan_for(ids.numel()).lookup(ids, self.gated_cores())
+        gates = [hard_threshold(g, self.threshold) for g in self.gates]
+        rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates)
         return rows[:, : self.embedding_dim]
 
     def forward(

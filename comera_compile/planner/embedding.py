@@ -5,8 +5,10 @@ table ``(M_R, r_s, N_R)``; a row id splits into ``id // M_R`` and ``id % M_R``, 
 gathers one slice, and one bmm per batch gives ``(N_L, N_R)`` per row. The merges cost
 the same for every batch while the bmm grows with it, so the best split bond depends on
 the number of ids: we pick the one with the fewest total multiply-adds. For a handful of
-ids no merge pays off: ``split = CHAIN`` gathers each core's slice per id and contracts
-the chain per row (cost linear in the ids, nothing shared).
+ids no merge pays off: ``split = CHAIN`` contracts the chain per row, one core at a time
+(cost linear in the ids, nothing shared). Eagerly the rows meet each core in buckets of
+equal mode index, one bmm over the core's slices, so a slice is read once per batch; while
+compiled (no host reads) each row gathers its own slices.
 """
 
 from __future__ import annotations
@@ -170,17 +172,26 @@ class EmbeddingPlan:
         right = right.permute(1, 0, 2).reshape(m_right, rank * n_right)
         return left, right
 
-    def lookup(self, ids: Tensor, cores: Sequence[Tensor]) -> Tensor:
-        """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``."""
+    def lookup(
+        self, ids: Tensor, cores: Sequence[Tensor], gates: Sequence[Tensor] | None = None
+    ) -> Tensor:
+        """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``.
+
+        ``gates`` (optional, one scale vector per internal bond, already thresholded) weight
+        the bonds: the chain strategy applies them to the rows' bonds (work proportional to
+        the ids), the others fold them into the cores first.
+        """
         if ids.dim() != 1:
             raise ValueError(f"lookup expects 1-d ids, got shape {tuple(ids.shape)}")
         if len(cores) != len(self.row_modes):
             raise ValueError(f"expected {len(self.row_modes)} cores, got {len(cores)}")
+        if self.split == CHAIN:
+            return self._chain_lookup(ids, cores, gates)
+        if gates is not None:
+            cores = [c * g.to(c.dtype) for c, g in zip(cores, gates)] + list(cores[len(gates) :])
         if self.split == 0:
             table = cores[0].reshape(self.row_modes[0], self.col_modes[0])
             return table.index_select(0, ids)
-        if self.split == CHAIN:
-            return self._chain_lookup(ids, cores)
         left, right = self.tables(cores)
         _, n_left, rank, m_right, n_right = self.halves
         a = left.index_select(0, torch.div(ids, m_right, rounding_mode="floor"))
@@ -188,8 +199,10 @@ class EmbeddingPlan:
         out = torch.bmm(a.reshape(-1, n_left, rank), b.reshape(-1, rank, n_right))
         return out.reshape(ids.shape[0], n_left * n_right)
 
-    def _chain_lookup(self, ids: Tensor, cores: Sequence[Tensor]) -> Tensor:
-        """Gather each core's slice per id, then one bmm per core along the chain."""
+    def _chain_lookup(
+        self, ids: Tensor, cores: Sequence[Tensor], gates: Sequence[Tensor] | None = None
+    ) -> Tensor:
+        """Contract the chain per row: gather the first core's slice, then one core at a time."""
         m, n = self.row_modes, self.col_modes
         digits, rest = [], ids
         for size in reversed(m):  # mixed radix, first mode most significant
@@ -198,12 +211,55 @@ class EmbeddingPlan:
         digits.reverse()
         rows = ids.shape[0]
         acc = cores[0][0].index_select(0, digits[0])  # (b, n_1, r_1)
+        bucketed = not (torch.compiler.is_compiling() or _capturing())  # reads a depth
         for k in range(1, len(m)):
-            core = cores[k]  # (r, m, n, r')
-            g = core.index_select(1, digits[k]).transpose(0, 1)  # (b, r, n, r')
-            acc = torch.bmm(acc, g.reshape(rows, core.shape[0], -1))
-            acc = acc.reshape(rows, -1, core.shape[3])
+            if gates is not None:  # scale the bond between cores k-1 and k
+                acc = acc * gates[k - 1].to(acc.dtype)
+            step = _contract_bucketed if bucketed else _contract_gathered
+            acc = step(acc, cores[k], digits[k])
         return acc.reshape(rows, math.prod(n))
+
+
+def _capturing() -> bool:
+    """True inside CUDA Graph capture, where the host may not read a tensor."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
+    """``acc (b, w, r)`` times each row's slice ``core[:, digit]`` -> ``(b, w * n, r')``.
+
+    Gathers one ``(r, n, r')`` slice per row: simple and traceable, but it moves a slice per
+    row (in the forward gather and the backward scatter), which dominates at high ranks.
+    """
+    rows = acc.shape[0]
+    g = core.index_select(1, digit).transpose(0, 1)  # (b, r, n, r')
+    out = torch.bmm(acc, g.reshape(rows, core.shape[0], -1))
+    return out.reshape(rows, -1, core.shape[3])
+
+
+def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
+    """Same result as :func:`_contract_gathered`, as one bmm over the core's ``m`` slices.
+
+    Rows are put in buckets by their digit (padded to the fullest bucket), so each slice
+    of the core is read once per batch instead of once per row, and the core's gradient
+    comes straight out of the bmm's backward (no scatter of per-row slice gradients).
+    The workspace is ``m * depth`` rows of ``(w, r)``: proportional to the ids when their
+    digits spread (hashed ids do); ids sharing one digit (a run of small ids) make it up
+    to ``m`` times larger.
+    """
+    rows, width, rank = acc.shape
+    r, m, n, r_next = core.shape
+    counts = torch.bincount(digit, minlength=m)
+    depth = int(counts.max())
+    order = torch.argsort(digit, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(digit)
+    slot[order] = torch.arange(rows, device=digit.device) - starts[digit[order]]
+    place = digit * depth + slot
+    buckets = acc.new_zeros(m * depth, width, rank).index_copy(0, place, acc)
+    slices = core.permute(1, 0, 2, 3).reshape(m, r, n * r_next)
+    out = torch.bmm(buckets.view(m, depth * width, rank), slices)
+    return out.view(m * depth, width * n, r_next).index_select(0, place)
 
 
 def chain_costs(
