@@ -3,7 +3,8 @@
 A plan is the *decision* (which tree or split serves a row bucket, and what it costs there);
 running it is delegated: :class:`~comera_compile.planner.plan.Plan` runs through the
 executor's pairwise program, :class:`~comera_compile.planner.embedding.EmbeddingPlan`
-through its gather-and-contract lookup. Records, reports and layers only use this surface,
+through the gather-and-contract lookup
+of :mod:`~comera_compile.planner.lookup`. Records, reports and layers only use this surface,
 so they never ask which kind of plan they hold.
 """
 

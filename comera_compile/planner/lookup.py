@@ -1,0 +1,146 @@
+"""Running a TT-embedding lookup plan: gathers and small contractions, never the table.
+
+:class:`~comera_compile.planner.embedding.EmbeddingPlan` decides which strategy serves a
+bucket of ids (and what it costs); this module runs it, the way the executor runs a
+:class:`~comera_compile.planner.plan.Plan`. Three strategies, by ``plan.split``:
+
+- ``0`` (one core): the core is the table, gather its rows.
+- a bond ``s``: ``cores[:s]`` merge into a left table ``(M_L, N_L * r_s)`` and ``cores[s:]``
+  into a right table ``(M_R, r_s * N_R)``; a row id splits into ``id // M_R`` and
+  ``id % M_R``, each gathers one slice, and one bmm per batch gives ``(N_L, N_R)`` per row.
+- ``CHAIN``: the chain is contracted per row, one core at a time. Eagerly the rows meet each
+  core in buckets of equal mode index, one bmm over the core's slices, so a slice is read
+  once per batch; while compiled (no host reads) each row gathers its own slices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .embedding import EmbeddingPlan
+
+CHAIN = -1
+"""``EmbeddingPlan.split`` value for the per-core gather + per-row chain strategy."""
+
+
+def run_lookup(
+    plan: EmbeddingPlan,
+    ids: Tensor,
+    cores: Sequence[Tensor],
+    gates: Sequence[Tensor] | None = None,
+) -> Tensor:
+    """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``, run as ``plan``.
+
+    ``gates`` (optional, one scale vector per internal bond, already thresholded) weight
+    the bonds: the chain strategy applies them to the rows' bonds (work proportional to
+    the ids), the others fold them into the cores first.
+    """
+    if ids.dim() != 1:
+        raise ValueError(f"lookup expects 1-d ids, got shape {tuple(ids.shape)}")
+    if len(cores) != len(plan.row_modes):
+        raise ValueError(f"expected {len(plan.row_modes)} cores, got {len(cores)}")
+    if plan.split == CHAIN:
+        return chain_lookup(ids, cores, plan.row_modes, plan.col_modes, gates)
+    if gates is not None:
+        cores = [c * g.to(c.dtype) for c, g in zip(cores, gates)] + list(cores[len(gates) :])
+    if plan.split == 0:
+        table = cores[0].reshape(plan.row_modes[0], plan.col_modes[0])
+        return table.index_select(0, ids)
+    left, right = tables(plan, cores)
+    _, n_left, rank, m_right, n_right = plan.halves
+    a = left.index_select(0, torch.div(ids, m_right, rounding_mode="floor"))
+    b = right.index_select(0, torch.remainder(ids, m_right))
+    out = torch.bmm(a.reshape(-1, n_left, rank), b.reshape(-1, rank, n_right))
+    return out.reshape(ids.shape[0], n_left * n_right)
+
+
+def tables(plan: EmbeddingPlan, cores: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Left ``(M_L, N_L * r_s)`` and right ``(M_R, r_s * N_R)`` tables (gather-ready)."""
+    m, n, r, s = plan.row_modes, plan.col_modes, plan.ranks, plan.split
+    left = cores[0].reshape(m[0], n[0], r[1])
+    for k in range(1, s):
+        big_m, big_n = left.shape[0], left.shape[1]
+        t = torch.tensordot(left, cores[k], dims=([2], [0]))  # (M, N, m, n, r')
+        left = t.permute(0, 2, 1, 3, 4).reshape(big_m * m[k], big_n * n[k], r[k + 1])
+    d = len(m)
+    right = cores[d - 1].reshape(r[d - 1], m[d - 1], n[d - 1])
+    for k in range(d - 2, s - 1, -1):
+        big_m, big_n = right.shape[1], right.shape[2]
+        t = torch.tensordot(cores[k], right, dims=([3], [0]))  # (r, m, n, M, N)
+        right = t.permute(0, 1, 3, 2, 4).reshape(r[k], m[k] * big_m, n[k] * big_n)
+    m_left, n_left, rank, m_right, n_right = plan.halves
+    left = left.reshape(m_left, n_left * rank)
+    right = right.permute(1, 0, 2).reshape(m_right, rank * n_right)
+    return left, right
+
+
+def chain_lookup(
+    ids: Tensor,
+    cores: Sequence[Tensor],
+    row_modes: Sequence[int],
+    col_modes: Sequence[int],
+    gates: Sequence[Tensor] | None = None,
+) -> Tensor:
+    """Contract the chain per row: gather the first core's slice, then one core at a time."""
+    digits, rest = [], ids
+    for size in reversed(row_modes):  # mixed radix, first mode most significant
+        digits.append(torch.remainder(rest, size))
+        rest = torch.div(rest, size, rounding_mode="floor")
+    digits.reverse()
+    rows = ids.shape[0]
+    acc = cores[0][0].index_select(0, digits[0])  # (b, n_1, r_1)
+    bucketed = not (torch.compiler.is_compiling() or capturing())  # reads a depth
+    for k in range(1, len(row_modes)):
+        if gates is not None:  # scale the bond between cores k-1 and k
+            acc = acc * gates[k - 1].to(acc.dtype)
+        step = _contract_bucketed if bucketed else _contract_gathered
+        acc = step(acc, cores[k], digits[k])
+    return acc.reshape(rows, math.prod(col_modes))
+
+
+def capturing() -> bool:
+    """True inside CUDA Graph capture, where the host may not read a tensor."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
+    """``acc (b, w, r)`` times each row's slice ``core[:, digit]`` -> ``(b, w * n, r')``.
+
+    Gathers one ``(r, n, r')`` slice per row: simple and traceable, but it moves a slice per
+    row (in the forward gather and the backward scatter), which dominates at high ranks.
+    """
+    rows = acc.shape[0]
+    g = core.index_select(1, digit).transpose(0, 1)  # (b, r, n, r')
+    out = torch.bmm(acc, g.reshape(rows, core.shape[0], -1))
+    return out.reshape(rows, -1, core.shape[3])
+
+
+def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
+    """Same result as :func:`_contract_gathered`, as one bmm over the core's ``m`` slices.
+
+    Rows are put in buckets by their digit (padded to the fullest bucket), so each slice
+    of the core is read once per batch instead of once per row, and the core's gradient
+    comes straight out of the bmm's backward (no scatter of per-row slice gradients).
+    The workspace is ``m * depth`` rows of ``(w, r)``: proportional to the ids when their
+    digits spread (hashed ids do); ids sharing one digit (a run of small ids) make it up
+    to ``m`` times larger.
+    """
+    rows, width, rank = acc.shape
+    r, m, n, r_next = core.shape
+    counts = torch.bincount(digit, minlength=m)
+    depth = int(counts.max())
+    order = torch.argsort(digit, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.empty_like(digit)
+    slot[order] = torch.arange(rows, device=digit.device) - starts[digit[order]]
+    place = digit * depth + slot
+    buckets = acc.new_zeros(m * depth, width, rank).index_copy(0, place, acc)
+    slices = core.permute(1, 0, 2, 3).reshape(m, r, n * r_next)
+    out = torch.bmm(buckets.view(m, depth * width, rank), slices)
+    return out.view(m * depth, width * n, r_next).index_select(0, place)
