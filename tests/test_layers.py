@@ -255,6 +255,8 @@ def test_layout_errors_speak_the_layers_words():
         TTMLinear(96, 40, in_modes=[4, 4, 6], out_modes=[5, 8])
     with pytest.raises(ValueError, match="num_embeddings must be a positive int"):
         chain_layout("tt_embedding", 0, 8, 2)
+    with pytest.raises(ValueError, match=r"row_modes=\[2, 3, 5\] .* one row mode per col mode"):
+        TTEmbedding(30, 12, row_modes=[2, 3, 5], col_modes=[3, 4])
     with pytest.raises(ValueError, match="one mode per side"):
         LowRankLinear(48, 40, order=2)
     with pytest.raises(ValueError, match="unknown format 'cp'"):

@@ -104,8 +104,13 @@ def chain_layout(
     if fmt in TT_CHAINS:
         return ChainLayout(ms, ns, fit_ranks(ms + ns, ranks))
     if len(ms) != len(ns):
+        fix = (
+            "give one row mode per col mode (one pair per core)"
+            if fmt == TT_EMBEDDING
+            else "use TTLinear (format='tt') for unequal orders"
+        )
         raise ValueError(
             f"a TTM chain pairs its modes, so {names[2]}={list(ms)} and {names[3]}={list(ns)} "
-            "need the same length; use TTLinear (format='tt') for unequal orders"
+            f"need the same length; {fix}"
         )
     return ChainLayout(ms, ns, fit_ranks([m * n for m, n in zip(ms, ns)], ranks))

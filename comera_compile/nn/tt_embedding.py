@@ -24,16 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from comera_compile.formats import (
-    fit_ranks,
-    modes_cover,
-    positive_int,
-    ttm_modes,
-    ttm_random_cores,
-    ttm_svd,
-    ttm_to_dense,
-    zero_pad,
-)
+from comera_compile.formats import chain_layout, ttm_random_cores, ttm_svd, ttm_to_dense, zero_pad
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
 from comera_compile.planner import EmbeddingPlan, embedding_plan
@@ -73,8 +64,10 @@ class TTEmbedding(TensorizedLayer):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        num_embeddings = positive_int("num_embeddings", num_embeddings)
-        embedding_dim = positive_int("embedding_dim", embedding_dim)
+        chain = chain_layout(
+            self.format, num_embeddings, embedding_dim, ranks, row_modes, col_modes, order
+        )
+        num_embeddings, embedding_dim = int(num_embeddings), int(embedding_dim)  # checked
         if mode not in _BAG_MODES:
             raise ValueError(f"mode must be one of {_BAG_MODES}, got {mode!r}")
         if include_last_offset and mode is None:
@@ -83,19 +76,11 @@ class TTEmbedding(TensorizedLayer):
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"padding_idx {padding_idx} is outside [0, {num_embeddings})")
             padding_idx %= num_embeddings
-        if order is None and (row_modes is not None or col_modes is not None):
-            order = len(row_modes if row_modes is not None else col_modes)
-        auto_rows, auto_cols = ttm_modes(num_embeddings, embedding_dim, order)
-        row_modes = modes_cover("row_modes", row_modes or auto_rows.modes, num_embeddings)
-        col_modes = modes_cover("col_modes", col_modes or auto_cols.modes, embedding_dim)
-        if len(row_modes) != len(col_modes):
-            raise ValueError(f"row_modes {row_modes} and col_modes {col_modes} differ in length")
-        rank_list = fit_ranks([m * n for m, n in zip(row_modes, col_modes)], ranks)
         # nn.Embedding draws N(0, 1): unit variance per entry.
-        cores = ttm_random_cores(row_modes, col_modes, rank_list, 1.0, dtype=dtype, device=device)
+        cores = ttm_random_cores(chain.first, chain.second, chain.ranks, 1.0, dtype, device)
         super().__init__(cores, threshold)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.row_modes, self.col_modes = row_modes, col_modes
+        self.row_modes, self.col_modes = chain.first, chain.second
         self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
         self.include_last_offset, self.declared_sparse = bool(include_last_offset), bool(sparse)
         _watch_sparse_adam()
