@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from comera_compile.nn.base import output_dtype
 from comera_compile.nn.planned import PlannedLayer
-from comera_compile.planner import Plan, get_plan
+from comera_compile.planner import Plan, capturing, get_plan
 from comera_compile.planner.ops import planned_contract
 
 
@@ -130,13 +130,12 @@ class PlannedLinearMixin(PlannedLayer):
         return y.reshape(*lead, self.out_features)
 
     def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> Plan:
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         return get_plan(
             self._network(bucket),
             dtype=dtype,
             device_type=device_type,
             objective=self.objective,
-            autotune=self.autotune and not capturing,  # timing would sync the host
+            autotune=self.autotune and not capturing(),  # timing would sync the host
         )
 
     def dense_macs(self, rows: int) -> int:

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from comera_compile.formats import chain_layout, ttm_random_cores, ttm_svd, ttm_to_dense, zero_pad
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
-from comera_compile.planner import EmbeddingPlan, embedding_plan
+from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
@@ -127,7 +127,7 @@ class TTEmbedding(TensorizedLayer):
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("offsets / per_sample_weights need a bag layer (mode='sum'|'mean')")
         flat = input.reshape(-1).long()
-        eager = not torch.compiler.is_compiling() and not _capturing()
+        eager = host_reads_allowed()
         self._check_ids(flat, eager)
         if self.dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
@@ -247,8 +247,3 @@ def _refuse_dense_grads_in_sparse_adam(optimizer, args, kwargs) -> None:
                     "torch.optim.Adam, Adagrad or SGD instead of SparseAdam, e.g. "
                     "torch.optim.Adam(model.parameters())."
                 )
-
-
-def _capturing() -> bool:
-    """True inside CUDA Graph capture, where host syncs (data-dependent shapes) are illegal."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -5,6 +5,7 @@ from .cache import cache_dir, clear_memory_cache, get_plan
 from .costs import Objective, PathCost, evaluate_path, parse_objective
 from .embedding import EmbeddingPlan, embedding_plan
 from .executor import Program, compile_program, run_program
+from .host import capturing, host_reads_allowed
 from .network import BATCH, Network, next_power_of_two
 from .networks import tt_linear_network, ttm_linear_network
 from .plan import FORMAT_VERSION, Plan
@@ -26,11 +27,13 @@ __all__ = [
     "Program",
     "RowCost",
     "cache_dir",
+    "capturing",
     "clear_memory_cache",
     "compile_program",
     "embedding_plan",
     "evaluate_path",
     "get_plan",
+    "host_reads_allowed",
     "next_power_of_two",
     "parse_objective",
     "plan_network",

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .host import host_reads_allowed
+
 if TYPE_CHECKING:
     from .embedding import EmbeddingPlan
 
@@ -95,18 +97,13 @@ def chain_lookup(
     digits.reverse()
     rows = ids.shape[0]
     acc = cores[0][0].index_select(0, digits[0])  # (b, n_1, r_1)
-    bucketed = not (torch.compiler.is_compiling() or capturing())  # reads a depth
+    bucketed = host_reads_allowed()  # the bucketed contraction reads a depth
     for k in range(1, len(row_modes)):
         if gates is not None:  # scale the bond between cores k-1 and k
             acc = acc * gates[k - 1].to(acc.dtype)
         step = _contract_bucketed if bucketed else _contract_gathered
         acc = step(acc, cores[k], digits[k])
     return acc.reshape(rows, math.prod(col_modes))
-
-
-def capturing() -> bool:
-    """True inside CUDA Graph capture, where the host may not read a tensor."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
