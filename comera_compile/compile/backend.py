@@ -15,8 +15,12 @@ holds one recognisable node per tensorized layer. The backend
    so one graph serves every batch size in it), inductor fuses it with the rest of the
    model and, on CUDA, runs it under CUDA Graph trees; a new bucket or a pruned rank is a
    new graph, hence a new recording.
-   On CPU it keeps aten's random numbers (``fallback_random``): faster dropout there, and
-   the same dropout masks as eager.
+   On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
+   costs more CPU time there (558 vs 446 ms per step of a 2-layer six-encoder at batch
+   8, one thread). Inductor may schedule the draws in another order than eager, so the
+   masks are alike in distribution, not identical.
+4. with a memory budget below 1, marks random nodes saved for backward first
+   (``compile.recompute``): a recomputed dropout would draw a new mask.
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
 first call of a new batch bucket can take tens of seconds on CPU); to see it::
@@ -36,6 +40,7 @@ import torch
 from torch import fx
 
 from comera_compile.compile.options import BackendOptions, parse_options
+from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
 log = logging.getLogger("comera_compile")
@@ -122,6 +127,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         cuda = _on_cuda(example_inputs)
         cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
         config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
+        if opts.memory < 1 and "joint_custom_pre_pass" not in config:
+            config["joint_custom_pre_pass"] = SaveRandomValues()  # same dropout masks in backward
         # On CPU, inductor's own dropout RNG is slower than aten's; aten's also matches eager.
         config.setdefault("fallback_random", not cuda)
         return compile_fx(gm, example_inputs, config_patches=config)
@@ -136,14 +143,12 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], low_memory: bo
         return lookup_backend("aot_eager")(gm, example_inputs)
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     def run_as_is(graph: fx.GraphModule, _inputs):
         return make_boxed_func(graph.forward)
 
     compiler = aot_autograd(
         fw_compiler=run_as_is,
         bw_compiler=run_as_is,
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=partition_keeping_random,
     )
     return compiler(gm, example_inputs)
