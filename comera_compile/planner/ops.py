@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .cache import get_plan
 from .embedding import embedding_plan
+from .host import capturing
 from .networks import tt_linear_network, ttm_linear_network
 
 _NETWORKS = {"tt": tt_linear_network, "lowrank": tt_linear_network, "ttm": ttm_linear_network}
@@ -68,10 +69,6 @@ def _bond_ranks(cores: Sequence[Tensor]) -> list[int]:
     return [1, *(int(c.shape[-1]) for c in cores[:-1]), 1]
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 @contextlib.contextmanager
 def _real_tensors():
     """Leave fake-tensor and proxy tracing for a moment: autotuning times real kernels."""
@@ -86,7 +83,7 @@ def _tt_contract(x, cores, kind, in_modes, out_modes, objective, autotune):
     bucket = row_bucket(x.shape[0])
     ranks = _bond_ranks(cores)
     network = _NETWORKS[kind](tuple(in_modes), tuple(out_modes), ranks, bucket)
-    autotune = bool(autotune) and not _capturing()  # timing would sync inside a capture
+    autotune = bool(autotune) and not capturing()  # timing would sync inside a capture
     context = _real_tensors() if autotune else contextlib.nullcontext()
     with context:
         plan = get_plan(
