@@ -2,7 +2,7 @@
 history and plots. Pieces that drop into a plain PyTorch training loop."""
 
 from comera_compile.training.bank import GateBank
-from comera_compile.training.distill import distill, distill_loss
+from comera_compile.training.distill import distill, distill_loss, fit_layers
 from comera_compile.training.distributed import PrunableDDP
 from comera_compile.training.groups import param_groups
 from comera_compile.training.history import History
@@ -39,6 +39,7 @@ __all__ = [
     "core_l2",
     "distill",
     "distill_loss",
+    "fit_layers",
     "effective_ranks",
     "keep_min_rank",
     "late_stage_loss",
