@@ -205,12 +205,14 @@ def fit_layers(
     """Fit each compressed layer to its dense original on the inputs it sees; in place.
 
     The teacher runs over ``batches`` (stopping each forward after the last layer of
-    interest) to record every layer's inputs: a table's ids with their frequencies, a linear
-    layer's input Gram. Then each layer's cores (not its bias or rank gates) take Adam steps on
+    interest; with a ``time_limit``, for at most a third of it) to record every layer's
+    inputs: a table's ids with their frequencies, a linear layer's input Gram. Then each
+    layer's cores (not its bias or rank gates) take Adam steps on
     ``||layer(x) - dense(x)||^2 / ||dense(x)||^2`` -- ``sample`` ids per step for a table,
-    all Gram rows for a linear layer -- for ``steps`` each or a share of ``time_limit``
-    seconds in proportion to the layer's parameters. ``layers`` defaults to
-    ``compressed_layers``. Returns ``{name: (loss before, loss after)}`` on the recorded inputs.
+    all Gram rows for a linear layer -- for ``steps`` each, or else for the rest of
+    ``time_limit`` seconds shared in proportion to the layers' parameters. ``layers`` defaults
+    to ``compressed_layers``. Returns ``{name: (loss before, loss after)}`` on one draw of
+    the recorded inputs.
     """
     names = list(compressed_layers(student, teacher) if layers is None else layers)
     dense, small = dict(teacher.named_modules()), dict(student.named_modules())
@@ -220,13 +222,15 @@ def fit_layers(
                          "submodules: optimize a copy with inplace=True")
     if not names:
         return {}
+    start = time.perf_counter()
     seen = {name: _Inputs() for name in names}
-    _capture(teacher, batches, seen, dense)
+    _capture(teacher, batches, seen, dense, None if steps else time_limit / 3)
+    time_left = time_limit - (time.perf_counter() - start)
     budget = {n: sum(p.numel() for p in small[n].parameters()) for n in names}
     total = sum(budget.values())
     result = {}
     for name in names:
-        limit = time_limit * budget[name] / total
+        limit = time_left * budget[name] / total
         draw = seen[name].sampler(sample, uniform, _num_rows(dense[name]))
         result[name] = _fit_one(small[name], dense[name], draw, limit, steps, lr, name,
                                 progress)
@@ -237,8 +241,10 @@ def _num_rows(module: nn.Module) -> int:
     return module.num_embeddings if isinstance(module, nn.Embedding) else 0
 
 
-def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: dict) -> None:
+def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: dict,
+             time_limit: float | None) -> None:
     pending: set[str] = set()
+    start = time.perf_counter()
 
     def hook_for(name: str) -> Callable:
         def hook(module, inputs):
@@ -259,6 +265,8 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
                     teacher(*args, **kwargs)
                 except _Enough:
                     pass
+                if time_limit is not None and time.perf_counter() - start > time_limit:
+                    break
     finally:
         for handle in handles:
             handle.remove()
