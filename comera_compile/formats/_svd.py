@@ -91,8 +91,11 @@ def chain_svd(
                 rank = max(1, int((tail > delta).sum()))
             if caps is not None:
                 rank = min(rank, caps[k])
-            kept_sq = float((s[:rank].double() ** 2).sum())
-            discarded_sq += max(0.0, float(rest.double().square().sum()) - kept_sq)
+            if s.numel() == min(rest.shape):  # the full spectrum: sum the tail exactly
+                discarded_sq += float((s[rank:].double() ** 2).sum())
+            else:  # randomized: what the kept subspace misses, ||A||^2 - sum(kept s^2)
+                kept_sq = float((s[:rank].double() ** 2).sum())
+                discarded_sq += max(0.0, float(rest.double().square().sum()) - kept_sq)
             cores.append(u[:, :rank].reshape(r_prev, dims[k], rank).to(out_dtype))
             rest = s[:rank, None] * vh[:rank]
             r_prev = rank
