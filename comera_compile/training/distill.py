@@ -301,7 +301,7 @@ def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], lim
             done += 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(loss):.4f}")
+                bar.set_postfix(loss=f"{float(loss.detach()):.4f}")
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
