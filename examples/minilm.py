@@ -105,7 +105,7 @@ def main() -> None:
     seconds = 60 * args.minutes
     cc.training.fit_layers(student, teacher, train, time_limit=0.3 * seconds)
     print(f"after fitting each layer to its original:      {cosine(student, teacher, held):.3f}")
-    losses = cc.training.distill(student, teacher, train, lr=1e-4, time_limit=0.7 * seconds,
+    losses = cc.training.distill(student, teacher, train, lr=3e-5, time_limit=0.7 * seconds,
                                  output_fn=sentence_embedding)
     print(f"after {len(losses)} steps of distillation:       "
           f"{cosine(student, teacher, held):.3f}")
