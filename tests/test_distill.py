@@ -8,7 +8,8 @@ import torch
 from models import MLP
 
 import comera_compile.api as cc
-from comera_compile.training import distill, distill_loss
+from comera_compile.training import distill, distill_loss, fit_layers
+from comera_compile.training.distill import compressed_layers
 
 
 def test_distill_loss_is_relative_and_only_trains_the_student():
@@ -52,3 +53,63 @@ def test_distill_names_missing_submodules():
     with pytest.raises(ValueError, match="inplace=True"):
         distill(copy.deepcopy(teacher), teacher, [torch.randn(2, 64)], layers=["nope"],
                 progress=False)
+
+
+class _Lookup(torch.nn.Module):
+    """A table followed by a linear layer: one layer that sees ids, one that sees features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(1000, 64)
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, ids):
+        return self.proj(self.table(ids))
+
+
+def _compressed_lookup(share):
+    torch.manual_seed(0)
+    teacher = _Lookup().eval()
+    with torch.no_grad():  # a linear layer whose inputs favour some directions
+        teacher.table.weight.mul_(torch.linspace(1, 0.1, 64) ** 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        student = cc.optimize(copy.deepcopy(teacher), share, init="dense", inplace=True,
+                              compile=False, include=["table", "proj"])
+    return teacher, student
+
+
+def test_fit_layers_lowers_each_layers_error_on_the_inputs_it_sees():
+    teacher, student = _compressed_lookup(0.3)
+    vocab = torch.randperm(1000)[:100]  # the text uses 100 of the 1000 rows, Zipf-like
+    frequent = vocab[torch.multinomial(1 / torch.arange(1.0, 101), 4000, replacement=True)]
+    data = [frequent[i : i + 200].view(20, 10) for i in range(0, 4000, 200)]
+    dense_weights = [p.detach().clone() for p in teacher.parameters()]
+    bias = student.proj.bias.detach().clone()
+
+    def errors():
+        with torch.no_grad():
+            rows = distill_loss(student.table(frequent), teacher.table(frequent))
+            x = teacher.table(frequent)
+            out = distill_loss(student.proj(x) - student.proj.bias,
+                               teacher.proj(x) - teacher.proj.bias)
+            return float(rows), float(out)
+
+    assert compressed_layers(student, teacher) == ["table", "proj"]
+    rows0, out0 = errors()
+    result = fit_layers(student, teacher, data, steps=60, lr=1e-2, sample=128,
+                        progress=False)
+    rows1, out1 = errors()
+    assert rows0 > 0.5 and rows1 < 0.2 * rows0  # the rows the text uses are fitted
+    assert out1 < 0.5 * out0  # the projection is fitted where its inputs are
+    assert all(after < 0.5 * before for before, after in result.values())
+    assert torch.equal(student.proj.bias, bias)  # biases and rank gates are left alone
+    assert all(torch.equal(w, p) for w, p in zip(dense_weights, teacher.parameters()))
+    assert all(p.requires_grad for p in student.parameters())  # flags given back
+
+
+def test_fit_layers_names_missing_layers():
+    teacher, student = _compressed_lookup(0.3)
+    with pytest.raises(ValueError, match="inplace=True"):
+        fit_layers(student, teacher, [torch.zeros(2, 3, dtype=torch.long)], layers=["nope"],
+                   progress=False)

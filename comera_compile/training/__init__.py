@@ -3,7 +3,7 @@ history and plots. Pieces that drop into a plain PyTorch training loop."""
 
 from comera_compile.nn import tensorized_layers
 from comera_compile.training.bank import GateBank
-from comera_compile.training.distill import distill, distill_loss
+from comera_compile.training.distill import distill, distill_loss, fit_layers
 from comera_compile.training.distributed import PrunableDDP
 from comera_compile.training.groups import param_groups
 from comera_compile.training.history import History
@@ -38,6 +38,7 @@ __all__ = [
     "distill",
     "distill_loss",
     "effective_ranks_by_layer",
+    "fit_layers",
     "keep_min_rank",
     "late_stage_loss",
     "model_size",

@@ -9,6 +9,11 @@ term for a user's own loop; ``distill`` is the loop:
 
 ``layers`` also matches the outputs of named submodules (hidden states), which needs the
 submodules to exist in the student: optimize with ``inplace=True`` on a copy keeps them.
+
+``fit_layers`` is the cheap first stage: each compressed layer alone is fitted to its dense
+original on the inputs it actually sees (the token ids of the text for a table, the Gram of
+the captured activations for a linear layer), thousands of small steps where a full-model
+step costs a forward and backward through everything.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_compile.passes.inputs import as_call
+from comera_compile.passes.inputs import as_call, quiet_eval
 
 
 def distill_loss(student: Tensor, teacher: Tensor) -> Tensor:
@@ -137,11 +142,181 @@ def distill(
     return losses
 
 
-def _progress(total: int | None, enabled: bool):
+class _Enough(Exception):
+    """Stops a capture forward once every layer of interest has seen its input."""
+
+
+class _Inputs:
+    """What one layer saw: integer ids with their counts, or the Gram of float features."""
+
+    def __init__(self) -> None:
+        self.ids: list[Tensor] = []
+        self.gram: Tensor | None = None
+        self.rows = 0
+
+    def add(self, x: Tensor) -> None:
+        if not x.is_floating_point():
+            self.ids.append(x.detach().reshape(-1).cpu())
+            return
+        x2 = x.detach().reshape(-1, x.shape[-1]).double()
+        gram = x2.T @ x2
+        self.gram = gram if self.gram is None else self.gram + gram
+        self.rows += x2.shape[0]
+
+    def sampler(self, sample: int, uniform: float, num_rows: int) -> Callable[[], Tensor]:
+        """Inputs for one step: ids drawn by frequency (plus ``uniform`` share drawn evenly
+        over the table, so unseen rows are not forgotten), or the Gram's square root, whose
+        rows reproduce ``sum x^T x`` exactly (the loss on them is the loss on all rows)."""
+        if self.gram is not None:
+            values, vectors = torch.linalg.eigh(self.gram / max(self.rows, 1))
+            rows = (vectors * values.clamp_min(0).sqrt()).T.float()
+            return lambda: rows
+        ids, counts = torch.unique(torch.cat(self.ids), return_counts=True)
+        probs = counts.double() / counts.sum()
+        spread = int(round(sample * uniform))
+
+        def draw() -> Tensor:
+            picked = ids[torch.multinomial(probs, sample - spread, replacement=True)]
+            return torch.cat([picked, torch.randint(num_rows, (spread,))])
+        return draw
+
+
+def compressed_layers(student: nn.Module, teacher: nn.Module) -> list[str]:
+    """Names of the student's layers that replace a same-named Linear/Embedding of the teacher."""
+    dense = dict(teacher.named_modules())
+    return [name for name, module in student.named_modules()
+            if isinstance(dense.get(name), (nn.Linear, nn.Embedding))
+            and type(module) is not type(dense[name])]
+
+
+def fit_layers(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Iterable[Any],
+    *,
+    layers: Sequence[str] | None = None,
+    time_limit: float = 60.0,
+    steps: int | None = None,
+    lr: float = 1e-3,
+    sample: int = 2048,
+    uniform: float = 0.1,
+    progress: bool = True,
+) -> dict[str, tuple[float, float]]:
+    """Fit each compressed layer to its dense original on the inputs it sees; in place.
+
+    The teacher runs over ``batches`` (stopping each forward after the last layer of
+    interest; with a ``time_limit``, for at most a third of it) to record every layer's
+    inputs: a table's ids with their frequencies, a linear layer's input Gram. Then each
+    layer's cores (not its bias or rank gates) take Adam steps on
+    ``||layer(x) - dense(x)||^2 / ||dense(x)||^2`` -- ``sample`` ids per step for a table,
+    all Gram rows for a linear layer -- for ``steps`` each, or else for the rest of
+    ``time_limit`` seconds shared in proportion to the layers' parameters. ``layers`` defaults
+    to ``compressed_layers``. Returns ``{name: (loss before, loss after)}`` on one draw of
+    the recorded inputs.
+    """
+    names = list(compressed_layers(student, teacher) if layers is None else layers)
+    dense, small = dict(teacher.named_modules()), dict(student.named_modules())
+    missing = [n for n in names if n not in dense or n not in small]
+    if missing:
+        raise ValueError(f"no layer {missing[0]!r} in both models; a captured graph inlines "
+                         "submodules: optimize a copy with inplace=True")
+    if not names:
+        return {}
+    start = time.perf_counter()
+    seen = {name: _Inputs() for name in names}
+    _capture(teacher, batches, seen, dense, None if steps else time_limit / 3)
+    time_left = time_limit - (time.perf_counter() - start)
+    budget = {n: sum(p.numel() for p in small[n].parameters()) for n in names}
+    total = sum(budget.values())
+    result = {}
+    for name in names:
+        limit = time_left * budget[name] / total
+        draw = seen[name].sampler(sample, uniform, _num_rows(dense[name]))
+        result[name] = _fit_one(small[name], dense[name], draw, limit, steps, lr, name,
+                                progress)
+    return result
+
+
+def _num_rows(module: nn.Module) -> int:
+    return module.num_embeddings if isinstance(module, nn.Embedding) else 0
+
+
+def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: dict,
+             time_limit: float | None) -> None:
+    pending: set[str] = set()
+    start = time.perf_counter()
+
+    def hook_for(name: str) -> Callable:
+        def hook(module, inputs):
+            if name in pending:
+                seen[name].add(inputs[0])
+                pending.discard(name)
+                if not pending:
+                    raise _Enough
+        return hook
+
+    handles = [modules[n].register_forward_pre_hook(hook_for(n)) for n in seen]
+    try:
+        with quiet_eval(teacher):
+            for batch in batches:
+                pending.update(seen)
+                args, kwargs = as_call(batch)
+                try:
+                    teacher(*args, **kwargs)
+                except _Enough:
+                    pass
+                if time_limit is not None and time.perf_counter() - start > time_limit:
+                    break
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], limit: float,
+             steps: int | None, lr: float, name: str, progress: bool) -> tuple[float, float]:
+    fitted = [p for n, p in layer.named_parameters()
+              if n != "bias" and not n.startswith("gates") and p.is_floating_point()]
+    flags = [(p, p.requires_grad) for p in layer.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    for p in fitted:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(fitted, lr=lr)
+    check = draw()  # one fixed draw scores before and after
+    with torch.no_grad():
+        target = dense(check)
+        before = float(distill_loss(layer(check), target))
+    bar = _progress(steps, progress, f"fit {name}")
+    start, done = time.perf_counter(), 0
+    try:
+        while (steps is None or done < steps) and (
+                steps is not None or time.perf_counter() - start < limit):
+            x = draw()
+            with torch.no_grad():
+                want = dense(x)
+            loss = distill_loss(layer(x), want)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            done += 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(loss.detach()):.4f}")
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        if bar is not None:
+            bar.close()
+    with torch.no_grad():
+        after = float(distill_loss(layer(check), target))
+    return before, after
+
+
+def _progress(total: int | None, enabled: bool, desc: str = "distill"):
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="distill", leave=False)
+    return tqdm(total=total, desc=desc, leave=False)
