@@ -185,7 +185,7 @@ def test_output_weights_see_which_directions_inputs_excite():
     assert output_weights(model, along_top, cands)["0"] < 0.2
 
 
-class _IssueModel(nn.Module):
+class _TableAndLinears(nn.Module):
     """A 50000 x 256 table and two 256 x 1024 layers: the table holds 96% of the parameters
     and none of the multiply-adds."""
 
@@ -209,7 +209,7 @@ def _torch_macs(model, x):
 @pytest.mark.parametrize("share", [0.5, 0.1])
 def test_flops_budget_measured_by_flop_counter(share):
     torch.manual_seed(0)
-    model, ids = _IssueModel(), torch.randint(0, 50000, (4, 32))
+    model, ids = _TableAndLinears(), torch.randint(0, 50000, (4, 32))
     dense = _torch_macs(model, ids)
     out = cc.optimize(model, Budget(flops=share), example_inputs=ids, compile=False)
     got = _torch_macs(out, ids)
@@ -218,7 +218,7 @@ def test_flops_budget_measured_by_flop_counter(share):
 
 
 def test_flops_budget_unreachable_only_when_it_is():
-    model, ids = _IssueModel(), torch.randint(0, 50000, (4, 32))
+    model, ids = _TableAndLinears(), torch.randint(0, 50000, (4, 32))
     with pytest.raises(ValueError, match="multiply-adds"):
         cc.optimize(model, Budget(flops=1000), example_inputs=ids, compile=False)
 
