@@ -113,3 +113,28 @@ def test_fit_layers_names_missing_layers():
     with pytest.raises(ValueError, match="inplace=True"):
         fit_layers(student, teacher, [torch.zeros(2, 3, dtype=torch.long)], layers=["nope"],
                    progress=False)
+
+
+def test_fit_layers_covers_any_dense_layer_type():
+    """A Hugging Face Conv1D (weight stored transposed) is fitted like a Linear."""
+    from transformers.pytorch_utils import Conv1D
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = Conv1D(128, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    teacher = Block()
+    mix = torch.randn(128, 128) / 128**0.5  # correlated inputs: the fit must weigh them
+    batches = [torch.randn(32, 128) @ mix for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        student = cc.optimize(copy.deepcopy(teacher), 0.3, init="dense", include=["proj"],
+                              example_inputs=(batches[0],), inplace=True, compile=False)
+    assert compressed_layers(student, teacher) == ["proj"]
+    before, after = fit_layers(student, teacher, batches, steps=40, progress=False)["proj"]
+    assert after < 0.9 * before

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from comera_compile.nn import TensorizedLayer
 from comera_compile.passes.inputs import as_call, quiet_eval
 
 
@@ -182,11 +183,15 @@ class _Inputs:
 
 
 def compressed_layers(student: nn.Module, teacher: nn.Module) -> list[str]:
-    """Names of the student's layers that replace a same-named Linear/Embedding of the teacher."""
+    """Names of the student's tensorized layers that replace a same-named teacher layer.
+
+    Any dense layer type counts (``nn.Linear``, ``nn.Embedding``, Hugging Face's ``Conv1D``,
+    ...): the fit only calls both modules on the same inputs.
+    """
     dense = dict(teacher.named_modules())
     return [name for name, module in student.named_modules()
-            if isinstance(dense.get(name), (nn.Linear, nn.Embedding))
-            and type(module) is not type(dense[name])]
+            if isinstance(module, TensorizedLayer) and name in dense
+            and not isinstance(dense[name], TensorizedLayer)]
 
 
 def fit_layers(
