@@ -17,7 +17,7 @@ from comera_compile.planner import parse_objective
 
 OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor", "memory")
 
-MEMORY_BUDGETS = {"default": 1.0, "low": 0.1}
+MEMORY_BUDGETS = {"default": 1.0, "low": 0.05}
 """``memory`` settings as AOT autograd activation budgets: the fraction of the activations
 the forward may keep for backward; the partitioner recomputes the cheapest of the rest
 (pointwise ops and the small tensorized contractions) in backward instead."""
