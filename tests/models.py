@@ -85,3 +85,13 @@ def toy_classes(n: int, seed: int = 1) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=g, dtype=torch.float64)
     return x, x[:, :3].argmax(1)
+
+
+def train_steps(model, opt, trainer, x: Tensor, y: Tensor, steps: int) -> None:
+    """``steps`` of the plain rank-adaptive loop: task loss + rank loss, backward, step."""
+    for _ in range(steps):
+        loss = trainer.loss(torch.nn.functional.cross_entropy(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        trainer.step()

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from models import small_tt_model, toy_classes
+from models import small_tt_model, toy_classes, train_steps
 
 from comera_compile.training import PrunableDDP, RankAdaptiveTrainer, param_groups
 
@@ -31,12 +30,7 @@ def train(model, forward, x, y):
     trainer = RankAdaptiveTrainer(
         forward, opt, early_steps=4, prune_every=3, target_ratio=0.5, total_steps=STEPS
     )
-    for _ in range(STEPS):
-        loss = trainer.loss(F.cross_entropy(forward(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        trainer.step()
+    train_steps(forward, opt, trainer, x, y, STEPS)
     return trainer
 
 

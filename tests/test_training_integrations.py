@@ -4,7 +4,7 @@ with a real short run that shrinks ranks."""
 import pytest
 import torch
 import torch.nn.functional as F
-from models import small_tt_model, toy_classes
+from models import small_tt_model, toy_classes, train_steps
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -33,12 +33,7 @@ def plain_loop(model):
     x, y = data()
     opt = adamw(model)
     trainer = RankAdaptiveTrainer(model, opt, total_steps=STEPS, **OPTIONS)
-    for _ in range(STEPS):
-        loss = trainer.loss(F.cross_entropy(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        trainer.step()
+    train_steps(model, opt, trainer, x, y, STEPS)
     return trainer
 
 

@@ -2,7 +2,7 @@
 known-length run, silent by default."""
 
 import torch
-import torch.nn.functional as F
+from models import train_steps
 from torch import nn
 
 from comera_compile.nn import TTLinear
@@ -20,12 +20,7 @@ def run(steps, **kwargs):
     trainer = RankAdaptiveTrainer(model, opt, early_steps=3, prune_every=2, **kwargs)
     x = torch.randn(32, 16)
     y = x[:, :3].argmax(1)
-    for _ in range(steps):
-        loss = trainer.loss(F.cross_entropy(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        trainer.step()
+    train_steps(model, opt, trainer, x, y, steps)
     return trainer
 
 

@@ -4,7 +4,7 @@ size lags, dead channels that stay dead, and a held-out run that ends at its tar
 import pytest
 import torch
 import torch.nn.functional as F
-from models import small_tt_model, toy_classes
+from models import small_tt_model, toy_classes, train_steps
 from torch import nn
 
 import comera_compile
@@ -29,15 +29,6 @@ def small_model(seed=0):
 
 def data(seed=1, n=64):
     return toy_classes(n, seed)
-
-
-def run(model, opt, trainer, x, y, steps):
-    for _ in range(steps):
-        loss = trainer.loss(F.cross_entropy(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        trainer.step()
 
 
 # ----- the schedule ------------------------------------------------------------------------
@@ -71,7 +62,7 @@ def test_short_run_tracks_the_budget_and_ends_at_target():
     trainer = RankAdaptiveTrainer(
         model, opt, early_steps=30, prune_every=10, target_ratio=0.4, total_steps=90
     )
-    run(model, opt, trainer, x, y, 90)
+    train_steps(model, opt, trainer, x, y, 90)
     h = trainer.history
     assert trainer.stage == LATE and trainer.target_reached
     for r in h.records:
@@ -92,7 +83,7 @@ def test_prune_every_none_reaches_the_target_without_changing_shapes():
     trainer = RankAdaptiveTrainer(
         model, opt, early_steps=20, prune_every=None, target_ratio=0.4, total_steps=60
     )
-    run(model, opt, trainer, x, y, 60)
+    train_steps(model, opt, trainer, x, y, 60)
     assert trainer.target_reached
     assert [p.shape for p in model.parameters()] == shapes
     assert model[0].effective_ranks() != model[0].ranks
@@ -163,7 +154,7 @@ def test_dead_channels_stay_dead_where_adamw_alone_brings_them_back():
     )
     alive = [_alive(model)]
     for _ in range(60):
-        run(model, opt, trainer, x, y, 1)
+        train_steps(model, opt, trainer, x, y, 1)
         alive.append(_alive(model))
     assert _flips(alive) == 0 and int((~alive[-1]).sum()) > 0
     gates = GateBank(model).gates
@@ -179,7 +170,7 @@ def test_without_run_length_the_late_stage_is_the_switch_rule_alone():
     model = small_model()
     opt = torch.optim.AdamW(param_groups(model))
     trainer = RankAdaptiveTrainer(model, opt, early_steps=5, prune_every=5, target_ratio=0.2)
-    run(model, opt, trainer, x, y, 20)
+    train_steps(model, opt, trainer, x, y, 20)
     assert trainer.schedule is None and trainer.budget() == trainer.size_target
     assert trainer.size() == trainer.size_start  # 15 slow steps: nothing is forced off
     assert set(trainer.history.column("lam")[5:]) <= {0.0, 1.0}
@@ -190,7 +181,7 @@ def test_late_stage_terms_with_lam_tensor_match_the_paper_mix():
     model = small_model()
     opt = torch.optim.AdamW(param_groups(model))
     trainer = RankAdaptiveTrainer(model, opt, early_steps=1, prune_every=None)
-    run(model, opt, trainer, x, y, 2)
+    train_steps(model, opt, trainer, x, y, 2)
     task = F.cross_entropy(model(x), y)
     size_term = soft_size(model) / trainer._size_norm
     lam = trainer.lam
@@ -228,7 +219,7 @@ def test_held_out_mlp_reaches_its_target_in_800_steps():
         model, opt, target_ratio=0.3, early_steps=400, prune_every=50, total_steps=800
     )
     before = {n: p.numel() for n, p in model.named_parameters()}
-    run(model, opt, trainer, x, y, 800)
+    train_steps(model, opt, trainer, x, y, 800)
     assert trainer.target_reached
     assert trainer.size() <= 0.3 * trainer.size_start
     after = {n: p.numel() for n, p in model.named_parameters()}
@@ -248,7 +239,7 @@ def test_rank_terms_trace_as_one_graph_and_lam_is_an_input_not_a_constant():
     model = small_model()
     opt = torch.optim.AdamW(param_groups(model))
     trainer = RankAdaptiveTrainer(model, opt, early_steps=1, prune_every=None)
-    run(model, opt, trainer, x, y, 2)
+    train_steps(model, opt, trainer, x, y, 2)
     graphs = []
 
     def count(gm, example_inputs):
@@ -272,7 +263,7 @@ def test_one_host_transfer_per_step_and_none_in_loss(monkeypatch):
     model = small_model()
     opt = torch.optim.AdamW(param_groups(model))
     trainer = RankAdaptiveTrainer(model, opt, early_steps=3, prune_every=None, total_steps=900)
-    run(model, opt, trainer, x, y, 4)  # into the late stage; no budget check at steps 5, 6
+    train_steps(model, opt, trainer, x, y, 4)  # into the late stage; no budget check at steps 5, 6
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         original = getattr(torch.Tensor, name)
