@@ -83,7 +83,9 @@ def main() -> None:
     rows = []
     for share in args.shares:
         for how in ("old", "new"):
+            built = time.perf_counter()
             student = compress(teacher, share, how, train_batches[0])
+            built = time.perf_counter() - built
             kept = params(student) / params(teacher)
             before = embedding_cosine(student, teacher, held_batches)
             worst = max((r["error"] for r in cc.summary(student).records), default=0.0)
@@ -104,7 +106,8 @@ def main() -> None:
                 after = embedding_cosine(student, teacher, held_batches) if losses else fitted
             spent, cpu = time.perf_counter() - start, time.process_time() - cpu
             rows.append((share, how, kept, worst, before, fitted, len(losses), spent, after))
-            print(f"  budget {share:.2f} {how}: kept {kept:.3f}, cosine {before:.3f} -> "
+            print(f"  budget {share:.2f} {how}: optimize {built:.0f} s, kept {kept:.3f}, "
+                  f"cosine {before:.3f} -> "
                   f"{fitted:.3f} (layer fit) -> {after:.3f} after {len(losses)} distillation "
                   f"steps ({spent / 60:.1f} min wall, {cpu / 60:.1f} CPU min)", flush=True)
     print()
