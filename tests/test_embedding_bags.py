@@ -84,6 +84,24 @@ def test_bag_matches_embedding_bag_outputs_and_grads(mode, include_last_offset, 
     assert float(got[len(layer.cores)][1]) == 0.0
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("bag", [1, 3])
+def test_fixed_size_bags_match_embedding_bag_outputs_and_grads(mode, bag):
+    """2-d input (one bag per row) takes the gather-and-sum pooling: same numbers."""
+    layer = TTEmbedding(600, 12, ranks=5, mode=mode).double()
+    _random_gates(layer)
+    dense = _dense_twin(layer)
+    ids = torch.tensor([4, 2, 4, 9, 599, 0, 2, 7, 7, 7, 31, 5])[: 4 * bag].reshape(-1, bag)
+    weight = torch.randn(ids.shape[0], 12, dtype=torch.float64)
+    out, expected = layer(ids), dense(ids)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    (out * weight).sum().backward()
+    (expected * weight).sum().backward()
+    got = [p.grad.clone() for p in [*layer.cores, *layer.gates]]
+    for g, e in zip(got, _pulled_back(layer, dense.weight.grad), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-10)
+
+
 @pytest.mark.parametrize("include_last_offset", [False, True])
 @pytest.mark.parametrize("split", ["chain", "halves"])
 def test_per_sample_weights_match_embedding_bag(include_last_offset, split):
