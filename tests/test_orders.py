@@ -162,3 +162,66 @@ def test_optimize_reports_the_order_and_layer_config_overrides_it():
     hidden = torch.relu(x @ auto.to_dense().T + auto.bias)
     torch.testing.assert_close(model(x), hidden @ forced.to_dense().T + forced.bias,
                                rtol=1e-4, atol=1e-5)
+
+
+# ----- embedding tables: order by multiply-adds per looked-up row ------------------------
+class _Table(nn.Module):
+    def __init__(self, rows: int):
+        super().__init__()
+        self.table = nn.EmbeddingBag(rows, 16, mode="sum", sparse=True)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+def _row_macs(col_modes, ranks):
+    """Building a row: the gathered slices contracted left to right, width = dims so far."""
+    width, macs = col_modes[0], 0
+    for k in range(1, len(col_modes)):
+        width *= col_modes[k]
+        macs += width * ranks[k] * ranks[k + 1]
+    return macs
+
+
+def test_embedding_order_is_the_fewest_macs_per_row_at_equal_parameters():
+    from comera_compile.passes.candidates import find_candidates
+    from comera_compile.passes.order import choose_embedding_order
+
+    cand = find_candidates(_Table(1_000_000))[0]
+    choice = choose_embedding_order(cand, 30)
+    default = next(o for o in choice.options if o.order == 6)  # 1M rows: 6 cores by default
+    assert default.spec.row_modes == (10,) * 6 and default.spec.col_modes == (1, 1, 2, 2, 2, 2)
+    assert {o.order for o in choice.options} == {3, 4, 5, 6}
+    for option in choice.options:
+        assert 0.8 * default.params <= option.params <= default.params
+        assert option.cost == _row_macs(option.spec.col_modes, option.spec.ranks)
+    assert len(choice.options) == 8  # each order: the default dim split and the dim last
+    chosen = choice.chosen
+    assert chosen.order == 3 and chosen.spec.row_modes == (100, 100, 100)
+    assert chosen.spec.col_modes == (1, 1, 16)  # rank-wide rows, widened to 16 at the end
+    r = chosen.spec.ranks[1]
+    assert chosen.spec.ranks == (1, r, r, 1)
+    assert chosen.cost == r * r + 16 * r < default.cost / 5
+    assert chosen.cost == min(o.cost for o in choice.options)
+
+
+def test_optimize_gives_a_large_table_the_cheaper_order_under_a_budget():
+    with torch.device("meta"):
+        model = _Table(1_000_000)
+    ids = torch.zeros(64, 1, dtype=torch.long, device="meta")
+    out = cc.optimize(model, "100x", example_inputs=(ids,), compile=False, inplace=True)
+    table = out.table
+    assert table.row_modes == (100, 100, 100) and table.col_modes == (1, 1, 16)
+    r = table.ranks[1]
+    params = sum(p.numel() for p in table.parameters())  # cores 100r + 100r^2 + 1600r, 2r gates
+    assert params == 100 * r * r + 1702 * r <= 160_000 < 100 * (r + 1) ** 2 + 1702 * (r + 1)
+    records = {r["name"]: r for r in cc.summary(out).records}
+    assert records["table"]["macs_per_row_after"] == r * r + 16 * r
+    assert records["table"]["order_reason"].startswith(
+        "order 3: fewest multiply-adds per looked-up row")
+    assert "order 6" in records["table"]["order_reason"]
+    with torch.device("meta"):
+        model = _Table(1_000_000)
+    forced = cc.optimize(model, "100x", example_inputs=(ids,), compile=False, inplace=True,
+                         layer_config={"table": {"order": 6}})
+    assert len(forced.table.row_modes) == 6

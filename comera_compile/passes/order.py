@@ -1,4 +1,4 @@
-"""Order: how many modes per side a TT-linear layer gets, chosen by planned training cost.
+"""Order: how many modes per side a TT layer gets, chosen by what a training step costs.
 
 Orders are compared at the same expressiveness, meaning the same parameter count: the
 default order (``choose_order``, modes near 8-16) at the layer's rank cap sets the count,
@@ -9,6 +9,16 @@ step (forward plus backward, by the planner's cost model, at the rows the exampl
 feeds the layer) wins; ties keep the default order. Without example inputs there is no batch
 to plan for, so the default order stays. Low-rank (order 1) is never picked here: it is fast
 per row but loses accuracy at high compression, so it is used only when asked for.
+
+Embedding tables are compared the same way, at the default order's parameters, by the
+multiply-adds that building one looked-up row costs (``embedding_macs_per_row``; the backward
+costs about twice that for every layout, and the work grows with the distinct ids alone, so
+no example batch is needed). Each order is tried with the default split of the embedding
+dim over the cores and with the whole dim in the last core (the row is then built from
+rank-wide vectors, widened only at the end). Fewer, larger cores win: an id touches a smaller
+share of the parameters. On a 10M-row table at 100x, 3 cores with the dim in the last one
+cost ~20x fewer multiply-adds per id than the default 6. Orders below 3 are not tried (order
+2 is a low-rank factorization of the reshaped table); ties keep the default layout.
 """
 
 from __future__ import annotations
@@ -18,14 +28,16 @@ from typing import Any
 
 import torch
 
-from comera_compile.formats import choose_order, tt_linear_modes
+from comera_compile.formats import TT_EMBEDDING, chain_layout, choose_order, tt_linear_modes
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LOWRANK, TT, LayerSpec, make_spec, max_useful_rank
 from comera_compile.planner import evaluate_path, get_plan, tt_linear_network
 
 ORDERS = (2, 3, 4)
+EMBEDDING_ORDERS = (3, 4, 5, 6)
 SIMILAR_PARAMS = 0.8  # an order must reach this share of the default order's parameters
 ORDER_KEYS = ("order", "in_modes", "out_modes", "ranks")  # layer_config keys that fix it
+EMBEDDING_ORDER_KEYS = ("order", "row_modes", "col_modes", "ranks")
 
 
 @dataclass(frozen=True)
@@ -76,15 +88,22 @@ def _matching_spec(cand: Candidate, order: int, params: int) -> LayerSpec | None
     fin, fout = tt_linear_modes(cand.in_features, cand.out_features, order)
     if min(fin.modes) < 2 or min(fout.modes) < 2:  # a mode of 1 is a lower order in disguise
         return None
-    spec = make_spec(cand, TT, 1, fin.modes, fout.modes)
+    return _largest_spec(cand, TT, fin.modes, fout.modes, params)
+
+
+def _largest_spec(
+    cand: Candidate, fmt: str, ins: tuple[int, ...], outs: tuple[int, ...], params: int
+) -> LayerSpec | None:
+    """The spec with these modes at the largest rank with at most ``params`` parameters."""
+    spec = make_spec(cand, fmt, 1, ins, outs)
     if spec.params > params:
         return None
     lo, hi = 1, max_useful_rank(spec)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        small = make_spec(cand, TT, mid, fin.modes, fout.modes).params <= params
+        small = make_spec(cand, fmt, mid, ins, outs).params <= params
         lo, hi = (mid, hi) if small else (lo, mid - 1)
-    return make_spec(cand, TT, lo, fin.modes, fout.modes)
+    return make_spec(cand, fmt, lo, ins, outs)
 
 
 def _short(value: float) -> str:
@@ -128,6 +147,60 @@ def choose_tt_order(
     return OrderChoice(best, tuple(options), rows, reason)
 
 
+def _embedding_layouts(cand: Candidate, order: int | None) -> list[tuple[tuple[int, ...], ...]]:
+    """Row and column modes of the table at ``order`` (the default one for None): the default
+    split of the embedding dim, and the whole dim in the last core."""
+    try:
+        chain = chain_layout(TT_EMBEDDING, cand.in_features, cand.out_features, 1, order=order)
+    except ValueError:
+        return []
+    if min(chain.first) < 2:  # a row mode of 1 is a lower order in disguise
+        return []
+    last = (1,) * (len(chain.first) - 1) + (cand.out_features,)
+    return list(dict.fromkeys([(chain.first, chain.second), (chain.first, last)]))
+
+
+def choose_embedding_order(
+    cand: Candidate, cap: int, orders: tuple[int, ...] = EMBEDDING_ORDERS
+) -> OrderChoice:
+    """The table's layout with the fewest multiply-adds per looked-up row, among ``orders``
+    (each with the default split of the embedding dim, and with the whole dim in the last
+    core) at about the parameters the default layout has at rank ``cap``."""
+    default_modes = _embedding_layouts(cand, None)[0]
+    default = len(default_modes[0])
+    reference = make_spec(cand, TT_EMBEDDING, cap, *default_modes)
+    options = []
+    for order in sorted(set(orders) | {default}):
+        for modes in _embedding_layouts(cand, order):
+            if len(modes[0]) != order:
+                continue
+            spec = (reference if modes == default_modes
+                    else _largest_spec(cand, TT_EMBEDDING, *modes, reference.params))
+            if spec is None or spec.params < SIMILAR_PARAMS * reference.params:
+                continue
+            options.append(OrderOption(order, spec, spec.macs_per_row()))
+    best = min(options, key=lambda o: (o.cost, o.spec != reference, o.order))
+    runners = {}  # the cheapest other layout of each order
+    for o in sorted(options, key=lambda o: -o.cost):
+        if o is not best:
+            runners[o.order] = o
+    others = ", ".join(f"{_layout(o)} {_short(o.cost)}" for _, o in sorted(runners.items()))
+    reason = (
+        f"fewest multiply-adds per looked-up row: {_short(best.cost)} with dim modes "
+        f"{list(best.spec.col_modes)}"
+        + (f" vs {others}" if others else " (no other layout of similar size)")
+        + f" at ~{_short(reference.params)} params"
+    )
+    if best.spec != reference:
+        default_option = next(o for o in options if o.spec == reference)
+        reason += f" (default {_layout(default_option)} {_short(default_option.cost)})"
+    return OrderChoice(best, tuple(options), 1, reason)
+
+
+def _layout(option: OrderOption) -> str:
+    return f"order {option.order} {list(option.spec.col_modes)}"
+
+
 def pick_order(
     cand: Candidate,
     fmt: str,
@@ -136,11 +209,13 @@ def pick_order(
     config: dict[str, Any] | None,
 ) -> tuple[LayerSpec | None, str]:
     """The spec (modes and rank cap) a layer should take, or None to keep its own, and why."""
-    if cand.is_embedding:
-        return None, ""
-    if config and any(key in config for key in ORDER_KEYS):
-        given = [key for key in ORDER_KEYS if key in config]
+    keys = EMBEDDING_ORDER_KEYS if cand.is_embedding else ORDER_KEYS
+    if config and any(key in config for key in keys):
+        given = [key for key in keys if key in config]
         return None, f"set in layer_config ({', '.join(given)})"
+    if cand.is_embedding:
+        choice = choose_embedding_order(cand, cap)
+        return choice.chosen.spec, f"order {choice.chosen.order}: {choice.reason}"
     if fmt == LOWRANK:
         return None, "one mode per side: format='lowrank' (W = U V)"
     if fmt != TT:

@@ -42,6 +42,7 @@ from comera_compile.passes.targets import Names, check_layer_config, config_for,
 DEFAULT_MAX_RANK = 30  # the reference's r
 MIN_PARAMS = 4096  # smaller layers stay dense: launch overhead beats any saving
 HEAD_CLASSES = 16  # Linear layers with fewer outputs are classifier heads: kept dense
+NARROW = 16  # Linear layers with at most this many inputs or outputs are kept dense
 
 
 @dataclass
@@ -148,6 +149,10 @@ def _rank_cap(option: _Option, max_rank: int | None) -> int:
 def _default_skip(cand: Candidate) -> str | None:
     if cand.kind in (LINEAR, CONV1D) and cand.out_features < HEAD_CLASSES:
         return (f"small output head ({cand.out_features} outputs) kept dense for accuracy; "
+                "include it to override")
+    if cand.kind in (LINEAR, CONV1D) and min(cand.in_features, cand.out_features) <= NARROW:
+        return (f"narrow ({cand.in_features} -> {cand.out_features}): every input reaches every "
+                "output through one TT bond, so its rank would cap the layer's; "
                 "include it to override")
     if cand.dense_params < MIN_PARAMS:
         return f"too small ({cand.dense_params:,} parameters < {MIN_PARAMS:,})"
