@@ -60,10 +60,12 @@ def test_dlrm_is_traceable_and_its_sparse_tables_tensorize():
     assert result(dense, sparse).shape == (16,)
 
 
-def test_dlrm_built_on_meta_compresses_and_trains_with_adagrad():
+@pytest.mark.parametrize("small_table", [Adagrad.SMALL_TABLE, 0])
+def test_dlrm_built_on_meta_compresses_and_trains_with_adagrad(monkeypatch, small_table):
     """The DLRM's tables never exist densely: built on meta, tensorized, then one Adagrad
-    (fused over dense gradients, plain over the sparse tables left dense) lowers the loss
-    exactly as torch's own Adagrad does."""
+    (fused over dense gradients and small sparse tables densified, plain over larger sparse
+    tables left dense) lowers the loss exactly as torch's own Adagrad does."""
+    monkeypatch.setattr(Adagrad, "SMALL_TABLE", small_table)
     torch.manual_seed(0)
     data = SyntheticClicks(CARDS)
     with torch.device("meta"):
@@ -73,7 +75,11 @@ def test_dlrm_built_on_meta_compresses_and_trains_with_adagrad():
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     twin = copy.deepcopy(model)
     ours, reference = Adagrad(model, lr=0.05), torch.optim.Adagrad(twin.parameters(), lr=0.05)
-    assert len(ours.optimizers) == 2  # the 7-row table stays dense with sparse gradients
+    # the smallest tables stay dense with sparse gradients: densified into the fused kernel
+    left_dense = [t for t in model.tables if not isinstance(t, TTEmbedding)]
+    assert len(left_dense) >= 1
+    assert len(ours.optimizers) == (1 if small_table else 2)
+    assert len(ours.densified) == (len(left_dense) if small_table else 0)
     dense, sparse, labels = data.batch(256, seed=1)
     for m, opt in [(model, ours), (twin, reference)]:
         losses = []

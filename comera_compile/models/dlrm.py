@@ -84,7 +84,13 @@ def _lower_pairs(vectors: int) -> Tensor:
 class Adagrad:
     """Adagrad over a model whose tables may keep sparse gradients: one fused (single-pass)
     kernel for every dense gradient (MLPs, TT cores) and the plain kernel for the
-    ``sparse=True`` tables left dense, since the fused one takes no sparse gradients."""
+    ``sparse=True`` tables left dense, since the fused one takes no sparse gradients.
+
+    A sparse table of at most ``SMALL_TABLE`` entries joins the fused kernel with its
+    gradient made dense first: the same update (Adagrad leaves rows with a zero gradient
+    as they are), without the sparse kernel's per-table sorting."""
+
+    SMALL_TABLE = 1 << 16
 
     def __init__(self, model: nn.Module, lr: float) -> None:
         sparse = {
@@ -93,8 +99,10 @@ class Adagrad:
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
         }
         params = [p for p in model.parameters() if p.requires_grad]
-        dense = [p for p in params if id(p) not in sparse]
-        rest = [p for p in params if id(p) in sparse]
+        self.densified = [p for p in params if id(p) in sparse and p.numel() <= self.SMALL_TABLE]
+        small = {id(p) for p in self.densified}
+        dense = [p for p in params if id(p) not in sparse or id(p) in small]
+        rest = [p for p in params if id(p) in sparse and id(p) not in small]
         self.optimizers = [torch.optim.Adagrad(dense, lr=lr, fused=True)] if dense else []
         if rest:
             self.optimizers.append(torch.optim.Adagrad(rest, lr=lr))
@@ -104,6 +112,9 @@ class Adagrad:
             opt.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
+        for p in self.densified:
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
         for opt in self.optimizers:
             opt.step()
 
