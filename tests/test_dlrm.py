@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import comera_compile as cc
 from comera_compile.models.dlrm import DLRM, Adagrad, SyntheticClicks, auc, log_loss
-from comera_compile.nn import TTEmbedding
+from comera_compile.nn import TTEmbedding, TTLinear
 
 CARDS = (30_000, 5000, 40, 7)
 
@@ -92,3 +92,29 @@ def test_dlrm_built_on_meta_compresses_and_trains_with_adagrad(monkeypatch, smal
         assert losses[-1] < losses[0]
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_small_sparse_tables_and_narrow_layers_stay_dense(sparse):
+    """A sparse table under 65,536 entries and a Linear with at most 16 inputs or outputs
+    stay dense by default, each with its reason; a dense-gradient table of the same size is
+    tensorized, and ``include`` overrides both rules."""
+    cards = (30_000, 2000, 7)  # 2000 x 16 = 32,000 entries
+    data = SyntheticClicks(cards)
+    with torch.device("meta"):
+        model = DLRM(cards, bottom=(512,), top=(64,), sparse=sparse)
+    example = tuple(x.to("meta") for x in data.batch(16, seed=0)[:2])
+    result = cc.optimize(model, "8x", example_inputs=example, compile=False)
+    skipped = cc.summary(result).skipped
+    assert skipped["bottom.0"].startswith("narrow (13 -> 512)")  # 6,656 parameters
+    assert skipped["bottom.2"].startswith("narrow (512 -> 16)")  # 8,192 parameters
+    small = result.get_submodule("tables.1")
+    if sparse:
+        assert skipped["tables.1"].startswith("small sparse table (32,000 entries < 65,536)")
+        assert not isinstance(small, TTEmbedding)
+    else:
+        assert isinstance(small, TTEmbedding)
+    forced = cc.optimize(model, "8x", example_inputs=example, compile=False,
+                         include=["tables.0", "tables.1", "bottom.0"])
+    assert isinstance(forced.get_submodule("tables.1"), TTEmbedding)
+    assert isinstance(forced.get_submodule("bottom.0"), TTLinear)

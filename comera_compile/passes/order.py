@@ -18,7 +18,8 @@ dim over the cores and with the whole dim in the last core (the row is then buil
 rank-wide vectors, widened only at the end). Fewer, larger cores win: an id touches a smaller
 share of the parameters. On a 10M-row table at 100x, 3 cores with the dim in the last one
 cost ~20x fewer multiply-adds per id than the default 6. Orders below 3 are not tried (order
-2 is a low-rank factorization of the reshaped table); ties keep the default layout.
+2 is a low-rank factorization of the reshaped table), nor layouts that hold more than 0.5%
+of the table at rank 1 (budgets up to 200x stay reachable); ties keep the default layout.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from comera_compile.planner import evaluate_path, get_plan, tt_linear_network
 
 ORDERS = (2, 3, 4)
 EMBEDDING_ORDERS = (3, 4, 5, 6)
+MAX_FLOOR = 0.005  # another table layout must hold under this share of the table at rank 1
 SIMILAR_PARAMS = 0.8  # an order must reach this share of the default order's parameters
 ORDER_KEYS = ("order", "in_modes", "out_modes", "ranks")  # layer_config keys that fix it
 EMBEDDING_ORDER_KEYS = ("order", "row_modes", "col_modes", "ranks")
@@ -174,6 +176,9 @@ def choose_embedding_order(
         for modes in _embedding_layouts(cand, order):
             if len(modes[0]) != order:
                 continue
+            if modes != default_modes and make_spec(
+                    cand, TT_EMBEDDING, 1, *modes).params > MAX_FLOOR * cand.dense_params:
+                continue  # it would limit how far a budget can compress the table
             spec = (reference if modes == default_modes
                     else _largest_spec(cand, TT_EMBEDDING, *modes, reference.params))
             if spec is None or spec.params < SIMILAR_PARAMS * reference.params:

@@ -43,6 +43,7 @@ DEFAULT_MAX_RANK = 30  # the reference's r
 MIN_PARAMS = 4096  # smaller layers stay dense: launch overhead beats any saving
 HEAD_CLASSES = 16  # Linear layers with fewer outputs are classifier heads: kept dense
 NARROW = 16  # Linear layers with at most this many inputs or outputs are kept dense
+MIN_SPARSE_TABLE = 1 << 16  # sparse=True tables with fewer entries are kept dense
 
 
 @dataclass
@@ -156,6 +157,11 @@ def _default_skip(cand: Candidate) -> str | None:
                 "include it to override")
     if cand.dense_params < MIN_PARAMS:
         return f"too small ({cand.dense_params:,} parameters < {MIN_PARAMS:,})"
+    if cand.is_embedding and getattr(cand.module, "sparse", False) and (
+            cand.dense_params < MIN_SPARSE_TABLE):
+        return (f"small sparse table ({cand.dense_params:,} entries < {MIN_SPARSE_TABLE:,}): "
+                "its lookup and sparse update cost less than a TT lookup's fixed cost per call "
+                "(tens of small kernels); include it to override")
     return None
 
 
