@@ -118,3 +118,17 @@ def test_small_sparse_tables_and_narrow_layers_stay_dense(sparse):
                          include=["tables.0", "tables.1", "bottom.0"])
     assert isinstance(forced.get_submodule("tables.1"), TTEmbedding)
     assert isinstance(forced.get_submodule("bottom.0"), TTLinear)
+
+
+def test_small_sparse_table_is_tensorized_when_the_budget_needs_it():
+    cards = (5000, 4000)  # the 64,000-entry table is held dense only if 30x is met without it
+    data = SyntheticClicks(cards)
+    with torch.device("meta"):
+        model = DLRM(cards, bottom=(32,), top=(32,))
+    example = tuple(x.to("meta") for x in data.batch(16, seed=0)[:2])
+    loose = cc.optimize(model, "2x", example_inputs=example, compile=False)
+    assert not isinstance(loose.get_submodule("tables.1"), TTEmbedding)
+    assert cc.summary(loose).skipped["tables.1"].startswith("small sparse table")
+    tight = cc.optimize(model, "30x", example_inputs=example, compile=False)
+    assert isinstance(tight.get_submodule("tables.1"), TTEmbedding)
+    assert cc.summary(tight).compression >= 30

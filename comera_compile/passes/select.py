@@ -75,6 +75,7 @@ class _Option:
     forced: bool = False
     spectrum: Spectrum | None = None
     why: str = ""  # why this order (modes per side)
+    held: str = ""  # why it stays dense unless the budget needs it
 
     def spec(self, rank: int | list[int]) -> LayerSpec:
         if self.fixed is not None:
@@ -157,12 +158,17 @@ def _default_skip(cand: Candidate) -> str | None:
                 "include it to override")
     if cand.dense_params < MIN_PARAMS:
         return f"too small ({cand.dense_params:,} parameters < {MIN_PARAMS:,})"
+    return None
+
+
+def _held_dense(cand: Candidate) -> str:
+    """Why a layer stays dense unless the budget cannot be met without it (else "")."""
     if cand.is_embedding and getattr(cand.module, "sparse", False) and (
             cand.dense_params < MIN_SPARSE_TABLE):
         return (f"small sparse table ({cand.dense_params:,} entries < {MIN_SPARSE_TABLE:,}): "
                 "its lookup and sparse update cost less than a TT lookup's fixed cost per call "
-                "(tens of small kernels); include it to override")
-    return None
+                "(tens of small kernels); tensorized only when the budget needs it, or include it")
+    return ""
 
 
 def eligible_options(
@@ -203,6 +209,8 @@ def eligible_options(
             if smallest * MIN_COMPRESSION > cand.dense_params:
                 skipped[cand.name] = f"less than {MIN_COMPRESSION:g}x smaller even at rank 1"
                 continue
+        if not explicit:
+            option.held = _held_dense(cand)
         option.shape = (shapes or {}).get(cand.name)
         option.cap = _rank_cap(option, max_rank)
         rows = option.shape.rows if option.shape is not None else None
@@ -270,6 +278,16 @@ def select_layers(
     weighted by ``output_weights`` when given); ``"random"`` compresses every layer alike.
     Without a budget every eligible layer is tensorized at the rank cap (30 by default).
     """
+    held = [o for o in options if o.held]
+    if held:  # first without the layers held dense; with them only if the budget needs them
+        kept = [o for o in options if not o.held]
+        reasons = {**skipped, **{o.cand.name: o.held for o in held}}
+        try:
+            return select_layers(kept, reasons, budget, before, max_rank, init, output_weights)
+        except ValueError:  # unreachable without them: every layer competes
+            pass
+        for option in held:
+            option.held = ""
     if budget is None:
         cap = max_rank or DEFAULT_MAX_RANK
         chosen = {o.cand.name: (o.cand, o.spec(cap)) for o in options}
