@@ -166,9 +166,9 @@ def test_optimize_reports_the_order_and_layer_config_overrides_it():
 
 # ----- embedding tables: order by multiply-adds per looked-up row ------------------------
 class _Table(nn.Module):
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, sparse: bool = True):
         super().__init__()
-        self.table = nn.EmbeddingBag(rows, 16, mode="sum", sparse=True)
+        self.table = nn.EmbeddingBag(rows, 16, mode="sum", sparse=sparse)
 
     def forward(self, ids):
         return self.table(ids)
@@ -225,3 +225,7 @@ def test_optimize_gives_a_large_table_the_cheaper_order_under_a_budget():
     forced = cc.optimize(model, "100x", example_inputs=(ids,), compile=False, inplace=True,
                          layer_config={"table": {"order": 6}})
     assert len(forced.table.row_modes) == 6
+    with torch.device("meta"):  # a table with dense gradients keeps the default layout
+        model = _Table(1_000_000, sparse=False)
+    plain = cc.optimize(model, "100x", example_inputs=(ids,), compile=False, inplace=True)
+    assert plain.table.row_modes == (10,) * 6

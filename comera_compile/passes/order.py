@@ -10,7 +10,8 @@ feeds the layer) wins; ties keep the default order. Without example inputs there
 to plan for, so the default order stays. Low-rank (order 1) is never picked here: it is fast
 per row but loses accuracy at high compression, so it is used only when asked for.
 
-Embedding tables are compared the same way, at the default order's parameters, by the
+Recommender tables (declared ``sparse=True``: lookups are most of their model's step) are
+compared the same way, at the default order's parameters, by the
 multiply-adds that building one looked-up row costs (``embedding_macs_per_row``; the backward
 costs about twice that for every layout, and the work grows with the distinct ids alone, so
 no example batch is needed). Each order is tried with the default split of the embedding
@@ -20,6 +21,8 @@ share of the parameters. On a 10M-row table at 100x, 3 cores with the dim in the
 cost ~20x fewer multiply-adds per id than the default 6. Orders below 3 are not tried (order
 2 is a low-rank factorization of the reshaped table), nor layouts that hold more than 0.5%
 of the table at rank 1 (budgets up to 200x stay reachable); ties keep the default layout.
+Other tables (a language model's word embeddings, a small share of its step, often
+pretrained, where the layout sets the truncation error) keep the default layout.
 """
 
 from __future__ import annotations
@@ -219,6 +222,8 @@ def pick_order(
         given = [key for key in keys if key in config]
         return None, f"set in layer_config ({', '.join(given)})"
     if cand.is_embedding:
+        if not getattr(cand.module, "sparse", False):
+            return None, ""
         choice = choose_embedding_order(cand, cap)
         return choice.chosen.spec, f"order {choice.chosen.order}: {choice.reason}"
     if fmt == LOWRANK:
