@@ -96,7 +96,7 @@ def test_dlrm_built_on_meta_compresses_and_trains_with_adagrad(monkeypatch, smal
 
 @pytest.mark.parametrize("sparse", [True, False])
 def test_small_sparse_tables_and_narrow_layers_stay_dense(sparse):
-    """A sparse table under 65,536 entries and a Linear with at most 16 inputs or outputs
+    """A sparse table under 262,144 entries and a Linear with at most 16 inputs or outputs
     stay dense by default, each with its reason; a dense-gradient table of the same size is
     tensorized, and ``include`` overrides both rules."""
     cards = (30_000, 2000, 7)  # 2000 x 16 = 32,000 entries
@@ -110,7 +110,7 @@ def test_small_sparse_tables_and_narrow_layers_stay_dense(sparse):
     assert skipped["bottom.2"].startswith("narrow (512 -> 16)")  # 8,192 parameters
     small = result.get_submodule("tables.1")
     if sparse:
-        assert skipped["tables.1"].startswith("small sparse table (32,000 entries < 65,536)")
+        assert skipped["tables.1"].startswith("small sparse table (32,000 entries < 262,144)")
         assert not isinstance(small, TTEmbedding)
     else:
         assert isinstance(small, TTEmbedding)
@@ -121,7 +121,7 @@ def test_small_sparse_tables_and_narrow_layers_stay_dense(sparse):
 
 
 def test_small_sparse_table_is_tensorized_when_the_budget_needs_it():
-    cards = (5000, 4000)  # the 64,000-entry table is held dense only if 30x is met without it
+    cards = (20_000, 4000)  # the 64,000-entry table is held dense only if 30x is met without it
     data = SyntheticClicks(cards)
     with torch.device("meta"):
         model = DLRM(cards, bottom=(32,), top=(32,))

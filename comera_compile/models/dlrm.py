@@ -90,7 +90,7 @@ class Adagrad:
     gradient made dense first: the same update (Adagrad leaves rows with a zero gradient
     as they are), without the sparse kernel's per-table sorting."""
 
-    SMALL_TABLE = 1 << 16
+    SMALL_TABLE = 1 << 18
 
     def __init__(self, model: nn.Module, lr: float) -> None:
         sparse = {

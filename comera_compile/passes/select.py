@@ -43,7 +43,7 @@ DEFAULT_MAX_RANK = 30  # the reference's r
 MIN_PARAMS = 4096  # smaller layers stay dense: launch overhead beats any saving
 HEAD_CLASSES = 16  # Linear layers with fewer outputs are classifier heads: kept dense
 NARROW = 16  # Linear layers with at most this many inputs or outputs are kept dense
-MIN_SPARSE_TABLE = 1 << 16  # sparse=True tables with fewer entries are kept dense
+MIN_SPARSE_TABLE = 1 << 18  # sparse=True tables with fewer entries are kept dense
 
 
 @dataclass
