@@ -1,7 +1,9 @@
 """Select: which layers to tensorize, and each one's ranks, to spend a budget well.
 
-Eligibility first: layers too small to win, small classifier heads, layers the forward never
-calls and anything the user excluded stay dense, each with its reason. Then the allocator
+Eligibility first: layers too small to win, small classifier heads, narrow layers (at most
+16 inputs or outputs: one TT bond would cap their rank), layers the forward never calls and
+anything the user excluded stay dense, each with its reason. Small ``sparse=True`` tables are
+held dense while the budget can be met without them. Then the allocator
 (``allocate.py``) picks every other layer's ranks, per bond for pretrained weights, so the
 model lands between 95% and 100% of the budget, minimising the objective that fits the init
 (``objectives.py``). Without a budget every eligible layer gets the rank cap (30, as CoMERA).
