@@ -108,3 +108,23 @@ def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slo
                   options={"post_grad_custom_post_pass": Mine()})(x)
     config, table = calls[-1]
     assert isinstance(config["post_grad_custom_post_pass"], Mine) and table is None
+
+
+def test_low_memory_saves_the_boolean_mask_not_the_words_it_came_from():
+    """The partitioner keeps what ``save_random_values`` marks: the one-byte mask the
+    forward and backward read, not the 64-bit draws (2.7 bytes per element) behind it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from comera_compile.compile.recompute import save_random_values
+
+    def marked(fn):
+        graph = make_fx(fn)(torch.randn(6, 10)).graph
+        save_random_values(graph)
+        return {n.target for n in graph.nodes
+                if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE}
+
+    ours = marked(lambda x: native_dropout(x, 0.1, True))
+    assert ours == {torch.ops.aten.ge.Scalar}
+    atens = marked(lambda x: torch.ops.aten.native_dropout.default(x, 0.1, True))
+    assert atens == {torch.ops.aten.native_dropout.default}  # a random node of the input
