@@ -1,4 +1,4 @@
-"""Dropout in CPU graphs: masks from 16-bit draws, same distribution and gradients as
+"""Dropout in CPU graphs: masks from 15-bit draws, same distribution and gradients as
 aten's dropout, and what the backend compiles actually uses them."""
 
 import pytest
@@ -18,14 +18,14 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_mask_keeps_one_minus_p_of_the_elements(p):
     torch.manual_seed(0)
-    n = 1_000_003  # not a multiple of the three draws per word
+    n = 1_000_003  # not a multiple of the four draws per word
     keep = keep_mask(torch.Size([n]), p, torch.device("cpu"))
     assert keep.dtype == torch.bool and keep.shape == (n,)
     # binomial standard deviation sqrt(p (1-p) / n) <= 5e-4: six of them
     assert keep.float().mean().item() == pytest.approx(1 - p, abs=3e-3)
-    # each of a word's three 16-bit lanes is uniform on its own
-    lanes = keep[: n - n % 3].view(-1, 3).float().mean(0)
-    torch.testing.assert_close(lanes, torch.full((3,), 1 - p), atol=5e-3, rtol=0)
+    # each of a word's four lanes is uniform on its own (the top one has 15 random bits)
+    lanes = keep[: n - n % 4].view(-1, 4).float().mean(0)
+    torch.testing.assert_close(lanes, torch.full((4,), 1 - p), atol=5e-3, rtol=0)
 
 
 def test_native_dropout_scales_the_kept_values_and_matches_aten_at_the_edges():
@@ -50,7 +50,7 @@ def test_decomposition_table_holds_the_cpu_dropout():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:comera backend")
-def test_compiled_dropout_draws_16_bit_masks_with_exact_gradients():
+def test_compiled_dropout_draws_15_bit_masks_with_exact_gradients():
     """Under the backend the mask comes from aten.random (no bernoulli), keeps ~90%, and the
     gradient is the mask scaled by 1 / (1 - p), as aten's dropout backward gives."""
     from torch.profiler import profile
@@ -125,6 +125,6 @@ def test_low_memory_saves_the_boolean_mask_not_the_words_it_came_from():
                 if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE}
 
     ours = marked(lambda x: native_dropout(x, 0.1, True))
-    assert ours == {torch.ops.aten.ge.Scalar}
+    assert ours == {torch.ops.aten.ge.Scalar}  # the mask
     atens = marked(lambda x: torch.ops.aten.native_dropout.default(x, 0.1, True))
     assert atens == {torch.ops.aten.native_dropout.default}  # a random node of the input

@@ -17,7 +17,7 @@ holds one recognisable node per tensorized layer. The backend
    new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
    costs more CPU time there (558 vs 446 ms per step of a 2-layer six-encoder at batch
-   8, one thread), and draws dropout masks from 16-bit numbers (``compile.dropout``):
+   8, one thread), and draws dropout masks from 15-bit numbers (``compile.dropout``):
    a quarter of the random-number cost of aten's float draws. The masks are alike in
    distribution, not identical to eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
@@ -133,7 +133,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         if opts.memory < 1 and "joint_custom_pre_pass" not in config:
             config["joint_custom_pre_pass"] = SaveRandomValues()  # same dropout masks in backward
         # On CPU, inductor's own dropout RNG is slower than aten's: aten's random numbers,
-        # and dropout masks from 16-bit draws (compile.dropout), whose tag keys the caches.
+        # and dropout masks from 15-bit draws (compile.dropout), whose tag keys the caches.
         config.setdefault("fallback_random", not cuda)
         decompositions = None
         if not cuda and "post_grad_custom_post_pass" not in config:
