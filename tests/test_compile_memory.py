@@ -119,5 +119,6 @@ def test_low_memory_under_inductor_draws_each_dropout_mask_once():
     F.cross_entropy(compiled(ids), labels).backward()  # compile outside the profile
     with profile() as prof:
         F.cross_entropy(compiled(ids), labels).backward()
-    draws = sum(e.count for e in prof.key_averages() if e.key == "aten::bernoulli_")
-    assert draws == 4  # embeddings, attention probabilities, two residual branches
+    keys = {e.key: e.count for e in prof.key_averages()}
+    assert "aten::bernoulli_" not in keys  # masks come from 15-bit draws (compile.dropout)
+    assert keys["aten::random_"] == 4  # embeddings, attention probabilities, two residuals

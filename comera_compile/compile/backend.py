@@ -17,8 +17,9 @@ holds one recognisable node per tensorized layer. The backend
    new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
    costs more CPU time there (558 vs 446 ms per step of a 2-layer six-encoder at batch
-   8, one thread). Inductor may schedule the draws in another order than eager, so the
-   masks are alike in distribution, not identical.
+   8, one thread), and draws dropout masks from 15-bit numbers (``compile.dropout``):
+   a quarter of the random-number cost of aten's float draws. The masks are alike in
+   distribution, not identical to eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
    (``compile.recompute``): a recomputed dropout would draw a new mask.
 
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from comera_compile.compile.dropout import DropoutTag
+from comera_compile.compile.dropout import decompositions as dropout_decompositions
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
@@ -129,9 +132,15 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
         if opts.memory < 1 and "joint_custom_pre_pass" not in config:
             config["joint_custom_pre_pass"] = SaveRandomValues()  # same dropout masks in backward
-        # On CPU, inductor's own dropout RNG is slower than aten's; aten's also matches eager.
+        # On CPU, inductor's own dropout RNG is slower than aten's: aten's random numbers,
+        # and dropout masks from 15-bit draws (compile.dropout), whose tag keys the caches.
         config.setdefault("fallback_random", not cuda)
-        return compile_fx(gm, example_inputs, config_patches=config)
+        decompositions = None
+        if not cuda and "post_grad_custom_post_pass" not in config:
+            config["post_grad_custom_post_pass"] = DropoutTag()
+            decompositions = dropout_decompositions(config["fallback_random"])
+        return compile_fx(gm, example_inputs, config_patches=config,
+                          decompositions=decompositions)
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], low_memory: bool):

@@ -3,9 +3,9 @@
 With an activation memory budget below 1 (``memory="low"``), AOT autograd's min-cut
 partitioner may lift its own ban on recomputing random ops (dropout) to meet the budget.
 On CPU nothing replays the random stream, so the backward would draw a *new* dropout mask
-and compute gradients of a forward that never ran. Marking every random node
-``MUST_SAVE`` in the joint graph, before partitioning, keeps its mask (one byte per
-element for dropout) and lets the budget recompute everything around it.
+and compute gradients of a forward that never ran. Marking the random values ``MUST_SAVE``
+in the joint graph, before partitioning, keeps each dropout mask (one byte per element)
+and lets the budget recompute everything around it.
 """
 
 from __future__ import annotations
@@ -25,11 +25,28 @@ def is_random(node: fx.Node) -> bool:
     return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
 
 
+def _fixed(node: fx.Node) -> bool:
+    """A value that depends on no input of the graph (a fresh buffer, a constant)."""
+    return node.op == "get_attr" or (node.op == "call_function" and not node.all_input_nodes)
+
+
 def save_random_values(graph: fx.Graph) -> int:
-    """Mark the random nodes of a joint graph as saved for backward; returns how many."""
+    """Mark a joint graph's random values as saved for backward; returns how many.
+
+    A random value is a random node, or a node computed from random draws alone (the
+    boolean mask that ``compile.dropout`` derives from 64-bit words). What is marked is
+    each such value that something else reads, i.e. the mask rather than the words it came
+    from: the smallest form, and the draws themselves are then never needed again."""
+    derived: set[fx.Node] = set()  # computed from random draws and fixed values only
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        pure = node.op == "call_function" and all(a in derived or _fixed(a) for a in inputs)
+        if pure and (is_random(node) or any(a in derived for a in inputs)):
+            derived.add(node)
     count = 0
     for node in graph.nodes:
-        if is_random(node):
+        read_elsewhere = any(user not in derived for user in node.users)
+        if (node in derived and read_elsewhere) or (is_random(node) and node not in derived):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             count += 1
     return count

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from comera_compile.nn.base import output_dtype
 from comera_compile.nn.planned import PlannedLayer
 from comera_compile.planner import Plan, capturing, get_plan
+from comera_compile.planner.alignment import pad_bonds
 from comera_compile.planner.ops import planned_contract
 
 
@@ -105,9 +106,11 @@ class PlannedLinearMixin(PlannedLayer):
         """Cores of the ``(out_features, in_features)`` weight, truncated."""
         raise NotImplementedError
 
-    def network_cores(self) -> list[Tensor]:
-        """Gated cores shaped as the planner's network has them."""
-        return squeeze_boundary_bonds(self.gated_cores())
+    def network_cores(self, rows: int | torch.SymInt = 0) -> list[Tensor]:
+        """Gated cores shaped as the planner's network has them; for a contraction over
+        ``rows`` rows, bonds padded to sizes the device's matmuls run fastest
+        (``planner.alignment``; exact: the padding is zeros)."""
+        return squeeze_boundary_bonds(pad_bonds(self.gated_cores(), rows))
 
     @property
     def padded_in(self) -> int:
@@ -154,7 +157,7 @@ class PlannedLinearMixin(PlannedLayer):
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
             y = planned_contract(
                 x2.reshape(rows, *self.in_modes),
-                self.network_cores(),
+                self.network_cores(rows),
                 self.format,
                 self.in_modes,
                 self.out_modes,
@@ -167,5 +170,5 @@ class PlannedLinearMixin(PlannedLayer):
         bias = self.bias if self.padded_out == self.out_features else None
         if bias is not None:
             bias = bias.view(self.out_modes)
-        y = plan.execute(x2.reshape(rows, *self.in_modes), *self.network_cores(), bias=bias)
+        y = plan.execute(x2.reshape(rows, *self.in_modes), *self.network_cores(rows), bias=bias)
         return self._finish(y, lead, bias_added=bias is not None).to(dtype)

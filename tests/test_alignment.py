@@ -1,0 +1,44 @@
+"""Bond padding on CPU: ranks the matmul kernels like, with results and gradients exact."""
+
+import pytest
+import torch
+
+import comera_compile.planner.alignment as alignment
+from comera_compile.nn import TTLinear, TTMLinear
+from comera_compile.planner.alignment import aligned_rank, pad_bonds
+
+
+def test_near_misses_are_padded_and_nothing_else():
+    padded = {r: aligned_rank(r) for r in (7, 12, 15, 28, 29, 30, 31, 32, 36, 46, 58, 64, 100)}
+    assert padded == {7: 7, 12: 12, 15: 16, 28: 28, 29: 32, 30: 32, 31: 32, 32: 32, 36: 36,
+                      46: 48, 58: 64, 64: 64, 100: 100}
+    assert aligned_rank(30, "cuda") == 30  # not measured there: left alone
+
+
+def test_pad_bonds_zero_pads_both_sides_of_each_bond_only_for_many_rows():
+    cores = [torch.randn(1, 4, 30), torch.randn(30, 5, 46), torch.randn(46, 6, 1)]
+    out = pad_bonds(cores, rows=4096)
+    assert [tuple(c.shape) for c in out] == [(1, 4, 32), (32, 5, 48), (48, 6, 1)]
+    assert not out[0][..., 30:].any() and not out[1][30:].any() and not out[1][..., 46:].any()
+    torch.testing.assert_close(out[1][:30, :, :46], cores[1])
+    assert pad_bonds(cores, rows=512) == cores  # few rows: the matmuls are small
+
+
+@pytest.mark.parametrize("cls", [TTLinear, TTMLinear])
+def test_padded_layer_matches_its_dense_weight_in_outputs_and_gradients(cls, monkeypatch):
+    torch.manual_seed(0)
+    layer = cls(256, 256, ranks=30)
+    assert 30 in layer.ranks
+    assert any(c.shape[0] == 32 for c in layer.network_cores(1024)[1:])
+    x = torch.randn(1024, 256)
+    y = layer(x)
+    dense = x @ layer.to_dense().T + layer.bias
+    torch.testing.assert_close(y, dense, rtol=1e-4, atol=1e-4)
+    y.square().sum().backward()
+    padded = [c.grad.clone() for c in layer.cores]
+    layer.zero_grad()
+    monkeypatch.setattr(alignment, "MIN_ROWS", 10**9)  # the same step, unpadded
+    layer(x).square().sum().backward()
+    for got, want in zip(padded, (c.grad for c in layer.cores)):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * scale)

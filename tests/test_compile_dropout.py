@@ -1,0 +1,130 @@
+"""Dropout in CPU graphs: masks from 15-bit draws, same distribution and gradients as
+aten's dropout, and what the backend compiles actually uses them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comera_compile.compile.dropout import DropoutTag, decompositions, keep_mask, native_dropout
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_mask_keeps_one_minus_p_of_the_elements(p):
+    torch.manual_seed(0)
+    n = 1_000_003  # not a multiple of the four draws per word
+    keep = keep_mask(torch.Size([n]), p, torch.device("cpu"))
+    assert keep.dtype == torch.bool and keep.shape == (n,)
+    # binomial standard deviation sqrt(p (1-p) / n) <= 5e-4: six of them
+    assert keep.float().mean().item() == pytest.approx(1 - p, abs=3e-3)
+    # each of a word's four lanes is uniform on its own (the top one has 15 random bits)
+    lanes = keep[: n - n % 4].view(-1, 4).float().mean(0)
+    torch.testing.assert_close(lanes, torch.full((4,), 1 - p), atol=5e-3, rtol=0)
+
+
+def test_native_dropout_scales_the_kept_values_and_matches_aten_at_the_edges():
+    torch.manual_seed(0)
+    x = torch.randn(300, 400)
+    out, keep = native_dropout(x, 0.25, True)
+    torch.testing.assert_close(out, x * keep / 0.75)
+    assert 0.7 < keep.float().mean().item() < 0.8
+    for p, train in ((0.0, True), (0.3, False)):  # identity, like aten
+        out, keep = native_dropout(x, p, train)
+        torch.testing.assert_close(out, x)
+        assert keep.all()
+    out, keep = native_dropout(x, 1.0, True)
+    assert not out.any() and not keep.any()
+
+
+def test_decomposition_table_holds_the_cpu_dropout():
+    table = decompositions()
+    assert table[torch.ops.aten.native_dropout.default] is native_dropout
+    assert len(DropoutTag().uuid()) == 32  # a sha256: part of inductor's cache keys
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:comera backend")
+def test_compiled_dropout_draws_15_bit_masks_with_exact_gradients():
+    """Under the backend the mask comes from aten.random (no bernoulli), keeps ~90%, and the
+    gradient is the mask scaled by 1 / (1 - p), as aten's dropout backward gives."""
+    from torch.profiler import profile
+
+    def forward(x):
+        return F.dropout(x, 0.1, training=True) * 2.0
+
+    compiled = torch.compile(forward, backend="comera")
+    x = torch.randn(256, 512, requires_grad=True)
+    compiled(x).sum().backward()  # compile outside the profile
+    x.grad = None
+    with profile() as prof:
+        out = compiled(x)
+        out.sum().backward()
+    keys = {e.key for e in prof.key_averages()}
+    assert "aten::random_" in keys and "aten::bernoulli_" not in keys
+    keep = out != 0
+    assert keep.float().mean().item() == pytest.approx(0.9, abs=0.01)
+    torch.testing.assert_close(out, x.detach() * keep * 2.0 / 0.9)
+    torch.testing.assert_close(x.grad, keep * 2.0 / 0.9)
+
+
+@pytest.mark.filterwarnings("ignore:comera backend")
+def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slot(monkeypatch):
+    """The tag rides in ``post_grad_custom_post_pass``; a user's own pass there wins, and
+    then the graph keeps aten's dropout (the caches could not tell the two apart)."""
+    import torch._inductor.compile_fx as inductor
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Mine(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return b"mine"
+
+    calls = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, decompositions=None):
+        calls.append((config_patches, decompositions))
+        return gm.forward
+
+    monkeypatch.setattr(inductor, "compile_fx", fake_compile_fx)
+
+    def forward(x):
+        return F.dropout(x, 0.1, training=True)
+
+    x = torch.randn(8, 8)
+    torch.compile(forward, backend="comera")(x)
+    config, table = calls[-1]
+    assert isinstance(config["post_grad_custom_post_pass"], DropoutTag)
+    assert table[torch.ops.aten.native_dropout.default] is native_dropout
+    torch._dynamo.reset()
+    torch.compile(forward, backend="comera",
+                  options={"post_grad_custom_post_pass": Mine()})(x)
+    config, table = calls[-1]
+    assert isinstance(config["post_grad_custom_post_pass"], Mine) and table is None
+
+
+def test_low_memory_saves_the_boolean_mask_not_the_words_it_came_from():
+    """The partitioner keeps what ``save_random_values`` marks: the one-byte mask the
+    forward and backward read, not the 64-bit draws (2.7 bytes per element) behind it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from comera_compile.compile.recompute import save_random_values
+
+    def marked(fn):
+        graph = make_fx(fn)(torch.randn(6, 10)).graph
+        save_random_values(graph)
+        return {n.target for n in graph.nodes
+                if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE}
+
+    ours = marked(lambda x: native_dropout(x, 0.1, True))
+    assert ours == {torch.ops.aten.ge.Scalar}  # the mask
+    atens = marked(lambda x: torch.ops.aten.native_dropout.default(x, 0.1, True))
+    assert atens == {torch.ops.aten.native_dropout.default}  # a random node of the input
