@@ -1,11 +1,12 @@
 """Dropout for CPU graphs: each mask element from a 15-bit draw instead of a float one.
 
 On CPU, aten's dropout draws one float per element (``bernoulli_``) from the serial
-Mersenne Twister: about 45 ms for the 6.3M attention probabilities of one six-encoder
-layer at batch 32 x 128, one thread, more than both of the layer's attention matmuls
-together. Drawing 64-bit words and reading each as four 15-bit draws (``aten.random``
-on int64) costs about 6 ms for the same mask, and the compare and scale fuse into
-inductor's kernel around it.
+Mersenne Twister: 44 ms for the mask of the 6.3M attention probabilities of one
+six-encoder layer at batch 32 x 128 on one core, more than both of the layer's attention
+matmuls together. Drawing 64-bit words and reading each as four 15-bit draws
+(``aten.random`` on int64) makes the same mask in 13.5 ms run op by op
+(``python benchmarks/kernels.py``), and under inductor the compare and scale fuse into the
+kernel around it.
 
 The keep probability is ``1 - round(p * 32768) / 32768`` (within 1.6e-5 of ``1 - p``); the
 kept values are scaled by ``1 / (1 - p)`` as aten does, so the mask and scale match what

@@ -1,0 +1,99 @@
+"""The two CPU kernel choices of the compiled step, each against what it replaces.
+
+1. Dropout masks: aten's ``native_dropout`` (one float draw per element, ``bernoulli_``)
+   against ``compile.dropout.keep_mask`` (four 15-bit draws per 64-bit word), on the
+   attention probabilities of one six-encoder layer at batch 32 x 128 (6.3M elements).
+2. Bond padding: a TT layer's activation matmuls ``x @ B @ C`` (forward + backward, 4096
+   rows) at a rank as is and padded to ``planner.alignment.aligned_rank``; and the GFLOP/s
+   of ``x @ B`` alone at the two widths.
+
+    python benchmarks/kernels.py              # one thread
+    python benchmarks/kernels.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import median_seconds, table  # noqa: E402
+
+from comera_compile.compile.dropout import keep_mask  # noqa: E402
+from comera_compile.machine import describe_machine  # noqa: E402
+from comera_compile.planner.alignment import aligned_rank  # noqa: E402
+
+ROWS = 4096
+CHAINS = [(768, 30, 768), (768, 30, 3072), (3072, 30, 768), (768, 46, 768), (768, 36, 768)]
+
+
+def dropout_rows(repeats: int) -> list[list[str]]:
+    x = torch.randn(32 * 12 * 128 * 128)
+    aten = median_seconds(lambda: torch.native_dropout(x, 0.1, True), repeats)
+    bernoulli = median_seconds(lambda: torch.empty_like(x).bernoulli_(0.9), repeats)
+    ours = median_seconds(lambda: keep_mask(x.shape, 0.1, x.device), repeats)
+    return [["aten native_dropout", f"{aten * 1e3:.1f}", "1.00x"],
+            ["aten bernoulli_ (its mask)", f"{bernoulli * 1e3:.1f}", f"{aten / bernoulli:.2f}x"],
+            ["keep_mask (15-bit draws)", f"{ours * 1e3:.1f}", f"{aten / ours:.2f}x"]]
+
+
+def chain_seconds(d_in: int, rank: int, d_out: int, padded: int, repeats: int) -> float:
+    x = torch.randn(ROWS, d_in, requires_grad=True)
+    b = torch.randn(d_in, rank, requires_grad=True)
+    c = torch.randn(rank, d_out, requires_grad=True)
+    grad = torch.randn(ROWS, d_out)
+    extra = padded - rank
+
+    def step() -> None:
+        y = (x @ F.pad(b, (0, extra))) @ F.pad(c, (0, 0, 0, extra))
+        y.backward(grad)
+
+    return median_seconds(step, repeats)
+
+
+def padding_rows(repeats: int) -> list[list[str]]:
+    rows = []
+    for d_in, rank, d_out in CHAINS:
+        to = -(-rank // 16) * 16
+        plain = chain_seconds(d_in, rank, d_out, rank, repeats)
+        padded = chain_seconds(d_in, rank, d_out, to, repeats)
+        rows.append([f"{d_in}-{rank}-{d_out}", f"{rank} -> {to}", f"{plain * 1e3:.1f}",
+                     f"{padded * 1e3:.1f}", f"{plain / padded:.2f}x",
+                     "yes" if aligned_rank(rank) != rank else "no"])
+    return rows
+
+
+def gflops_rows(repeats: int) -> list[list[str]]:
+    x = torch.randn(ROWS, 768)
+    rows = []
+    for width in (30, 32):
+        b = torch.randn(768, width)
+        seconds = median_seconds(lambda b=b: x @ b, repeats)
+        rows.append([f"{ROWS} x 768 @ 768 x {width}",
+                     f"{2 * ROWS * 768 * width / seconds / 1e9:.1f}"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(describe_machine())
+    print("\ndropout mask for 6.3M attention probabilities (ms, median):")
+    print(table(dropout_rows(args.repeats), ["kernel", "ms", "speed-up"]))
+    print(f"\nx @ B @ C, forward + backward, {ROWS} rows (ms, median):")
+    print(table(padding_rows(args.repeats),
+                ["chain", "rank", "as is", "padded", "speed-up", "padded by default"]))
+    print("\nsgemm alone:")
+    print(table(gflops_rows(args.repeats), ["product", "GFLOP/s"]))
+
+
+if __name__ == "__main__":
+    main()
