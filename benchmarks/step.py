@@ -7,11 +7,15 @@ A step is forward + cross-entropy + backward + optimizer step (AdamW, lr 1e-4, n
 decay; dropout 0.1, train mode). Step time is the median of ``--steps`` steps after
 ``--warmup`` steps (compilation happens in the warm-up). Training memory is the peak RSS
 sampled during the timed steps minus the RSS of the process before the model is built (on
-CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps).
+CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps). The compiled CoMERA rows
+keep freed host memory for reuse (the backend's ``host_memory`` default at the default
+memory budget); ``--host-memory reuse`` sets the same allocator in every row, so the eager
+rows can be compared with it on equal terms.
 
     pip install galore-torch            # for the GaLore row (skipped when missing)
     python benchmarks/step.py                       # batch 1 x 128 and 32 x 128
     python benchmarks/step.py --batches 8 --rows comera-eager,comera-compiled
+    python benchmarks/step.py --batches 32 --rows comera-eager,comera-compiled --host-memory reuse
 """
 
 from __future__ import annotations
@@ -83,12 +87,14 @@ def galore_optimizer(model, lr: float):
     return GaLoreAdamW(groups, lr=lr, weight_decay=0.0)
 
 
-def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int) -> dict:
+def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int,
+            host_memory: str = "default") -> dict:
     """Build, warm up and time one row in this process; returns its measurements."""
     import torch
     import torch.nn.functional as F
 
     from comera_compile.compile import compile_model
+    from comera_compile.compile.host_memory import reuse_freed_host_memory
     from comera_compile.models.six_encoder import (
         SixEncoderClassifier,
         SixEncoderConfig,
@@ -96,6 +102,8 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if host_memory == "reuse":
+        reuse_freed_host_memory()
     g = torch.Generator().manual_seed(0)
     config = SixEncoderConfig(layers=layers)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
@@ -155,6 +163,7 @@ def child(args: argparse.Namespace, row: str, batch: int) -> dict | str:
         sys.executable, __file__, "--child", row, "--batches", str(batch), "--seq",
         str(args.seq), "--layers", str(args.layers), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--threads", str(args.threads),
+        "--host-memory", args.host_memory,
     ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -198,6 +207,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--host-memory", choices=("default", "reuse"), default="default",
+                        help="reuse: every row keeps freed host memory for reuse (glibc)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -208,7 +219,7 @@ def main() -> None:
         if args.threads:
             torch.set_num_threads(args.threads)
         print(json.dumps(run_row(args.child, batches[0], args.seq, args.layers, args.steps,
-                                 args.warmup)))
+                                 args.warmup, args.host_memory)))
         return
 
     from tqdm import tqdm
@@ -224,6 +235,7 @@ def main() -> None:
         f"six-encoder, {args.layers} layers, seq {args.seq}; median of {args.steps} steps "
         f"after {args.warmup} warm-up steps; one child process per row"
         + (f" with {args.threads} thread(s)" if args.threads else "")
+        + ("; every row reuses freed host memory" if args.host_memory == "reuse" else "")
     )
     results = []
     jobs = [(b, r) for b in batches for r in rows]

@@ -22,6 +22,9 @@ holds one recognisable node per tensorized layer. The backend
    distribution, not identical to eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
    (``compile.recompute``): a recomputed dropout would draw a new mask.
+5. on CPU with the default memory budget, keeps freed host memory in the heap
+   (``compile.host_memory``): otherwise every step maps its large activations anew and
+   pays a page fault per 4 KiB page.
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
 first call of a new batch bucket can take tens of seconds on CPU); to see it::
@@ -42,6 +45,7 @@ from torch import fx
 
 from comera_compile.compile.dropout import DropoutTag
 from comera_compile.compile.dropout import decompositions as dropout_decompositions
+from comera_compile.compile.host_memory import reuse_freed_host_memory
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
@@ -121,6 +125,9 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     else:
         _warn_plain()
     _log_start(nodes)
+    host_memory = opts.host_memory or ("reuse" if opts.memory >= 1 else None)
+    if host_memory and not _on_cuda(example_inputs):
+        reuse_freed_host_memory(host_memory == "reuse")
     # the partitioner reads the activation budget while the graph is compiled, right here
     with torch._functorch.config.patch(activation_memory_budget=opts.memory):
         if not opts.inductor:

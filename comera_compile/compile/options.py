@@ -15,7 +15,9 @@ import torch._inductor.config as inductor_config
 
 from comera_compile.planner import parse_objective
 
-OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor", "memory")
+OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory")
+
+HOST_MEMORY = ("reuse", "release")
 
 MEMORY_BUDGETS = {"default": 1.0, "low": 0.05}
 """``memory`` settings as AOT autograd activation budgets: the fraction of the activations
@@ -30,14 +32,18 @@ class BackendOptions:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels; for
     debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute cheap
     activations in backward: several times less training memory for a little more time) or
-    a budget in ``(0, 1]``, the fraction of activations kept. ``config``: inductor config
-    patches."""
+    a budget in ``(0, 1]``, the fraction of activations kept. ``host_memory``: on CPU,
+    ``"reuse"`` keeps freed blocks in the heap so each step's large activations are not
+    mapped and faulted in anew (``compile.host_memory``; process-wide), ``"release"`` leaves
+    glibc's allocator as it is (None: reuse with the default memory budget, release with a
+    lower one). ``config``: inductor config patches."""
 
     cudagraphs: bool | None = None
     autotune: bool | None = None
     objective: str | None = None
     inductor: bool = True
     memory: float = 1.0
+    host_memory: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,6 +78,13 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Ba
         inductor=bool(_flag("inductor", options.pop("inductor", True), allow_none=False)),
     )
     out.memory = parse_memory(options.pop("memory", "default"))
+    host_memory = options.pop("host_memory", None)
+    if host_memory is not None and host_memory not in HOST_MEMORY:
+        raise ValueError(
+            f"comera option 'host_memory' must be one of {list(HOST_MEMORY)} or None, "
+            f"got {host_memory!r}"
+        )
+    out.host_memory = host_memory
     objective = options.pop("objective", None)
     if objective is not None:
         if not isinstance(objective, str):

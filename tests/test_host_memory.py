@@ -1,0 +1,66 @@
+"""Host memory reuse on CPU: freed large blocks stay in the heap, so a step that allocates
+the same large activations again does not fault their pages in anew."""
+
+import resource
+import sys
+
+import pytest
+import torch
+
+import comera_compile.compile as cc
+from comera_compile.compile.host_memory import reuse_freed_host_memory, reusing_freed_host_memory
+from comera_compile.nn import TTLinear
+
+glibc_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not reuse_freed_host_memory(False),
+    reason="mallopt needs glibc",
+)
+
+
+@pytest.fixture(autouse=True)
+def _allocator_restored():
+    before = reusing_freed_host_memory()
+    yield
+    reuse_freed_host_memory(before)
+    torch._dynamo.reset()
+
+
+def faults_per_step(steps: int = 4) -> float:
+    """Minor page faults per 'step' that allocates, touches and frees a 64 MiB tensor."""
+    torch.ones(16 * 2**20)  # first touch, outside the count
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        torch.ones(16 * 2**20)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / steps
+
+
+@glibc_only
+def test_reuse_removes_the_page_faults_of_a_repeated_large_allocation():
+    assert reuse_freed_host_memory(False)
+    fresh = faults_per_step()
+    assert fresh > 8000  # 64 MiB in 4 KiB pages is 16384 (fewer with huge pages)
+    assert reuse_freed_host_memory(True) and reusing_freed_host_memory()
+    assert faults_per_step() < 0.01 * fresh
+
+
+def test_host_memory_option_is_checked_at_the_door():
+    assert cc.parse_options({}).host_memory is None
+    assert cc.parse_options({"host_memory": "release"}).host_memory == "release"
+    with pytest.raises(ValueError, match="'host_memory' must be one of"):
+        cc.parse_options({"host_memory": "keep"})
+
+
+@glibc_only
+@pytest.mark.parametrize(
+    "options, reusing",
+    [({}, True), ({"memory": "low"}, False), ({"host_memory": "release"}, False),
+     ({"memory": "low", "host_memory": "reuse"}, True)],
+)
+def test_cpu_graphs_reuse_host_memory_only_with_the_default_memory_budget(options, reusing):
+    reuse_freed_host_memory(False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
+    compiled = torch.compile(model, backend="comera", options={"inductor": False, **options})
+    compiled(torch.randn(4, 64)).sum().backward()
+    assert reusing_freed_host_memory() is reusing
+
