@@ -26,11 +26,11 @@ def _allocator_restored():
 
 
 def faults_per_step(steps: int = 4) -> float:
-    """Minor page faults per 'step' that allocates, touches and frees a 64 MiB tensor."""
-    torch.ones(16 * 2**20)  # first touch, outside the count
+    """Minor page faults per 'step' that allocates, touches and frees an 8 MiB tensor."""
+    torch.ones(2 * 2**20)  # first touch, outside the count
     start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
-        torch.ones(16 * 2**20)
+        torch.ones(2 * 2**20)
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / steps
 
 
@@ -38,9 +38,9 @@ def faults_per_step(steps: int = 4) -> float:
 def test_reuse_removes_the_page_faults_of_a_repeated_large_allocation():
     assert reuse_freed_host_memory(False)
     fresh = faults_per_step()
-    assert fresh > 8000  # 64 MiB in 4 KiB pages is 16384 (fewer with huge pages)
+    assert fresh > 1000  # 8 MiB in 4 KiB pages is 2048 (fewer with huge pages)
     assert reuse_freed_host_memory(True) and reusing_freed_host_memory()
-    assert faults_per_step() < 0.01 * fresh
+    assert faults_per_step() < 0.05 * fresh
 
 
 def test_host_memory_option_is_checked_at_the_door():
