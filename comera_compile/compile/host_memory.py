@@ -33,7 +33,7 @@ KEEP_ALL = 2**31 - 1  # mallopt takes an int: blocks up to 2 GiB come from the h
 _state = {"reuse": False}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mallopt():
     """glibc's ``mallopt``, or None where there is none (macOS, musl, Windows)."""
     if not sys.platform.startswith("linux"):
