@@ -85,3 +85,10 @@ def test_flops_budget_needs_example_inputs():
 def test_not_a_module():
     with pytest.raises(TypeError, match="optimize takes an nn.Module"):
         cc.optimize(lambda x: x)
+
+
+def test_host_memory_needs_compiling_and_a_known_setting():
+    with pytest.raises(ValueError, match=r"host_memory='reuse' acts while compiling"):
+        cc.optimize(MLP(), 0.5, compile=False, host_memory="reuse")
+    with pytest.raises(ValueError, match=r"'host_memory' must be one of \['reuse', 'release'\]"):
+        cc.optimize(MLP(), 0.5, host_memory="keep")
