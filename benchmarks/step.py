@@ -10,12 +10,14 @@ sampled during the timed steps minus the RSS of the process before the model is 
 CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps). The compiled CoMERA rows
 keep freed host memory for reuse (the backend's ``host_memory`` default at the default
 memory budget); ``--host-memory reuse`` sets the same allocator in every row, so the eager
-rows can be compared with it on equal terms.
+rows can be compared with it on equal terms, and ``--host-memory release`` keeps glibc's
+defaults in the compiled rows too (the allocator's own share of the compiled gain).
 
     pip install galore-torch            # for the GaLore row (skipped when missing)
     python benchmarks/step.py                       # batch 1 x 128 and 32 x 128
     python benchmarks/step.py --batches 8 --rows comera-eager,comera-compiled
     python benchmarks/step.py --batches 32 --rows comera-eager,comera-compiled --host-memory reuse
+    python benchmarks/step.py --batches 8 --rows comera-compiled --host-memory release
 """
 
 from __future__ import annotations
@@ -118,12 +120,13 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     forward = model
+    released = {"host_memory": "release"} if host_memory == "release" else {}
     if row == "dense-inductor":
         forward = torch.compile(model, backend="inductor")
     elif row == "comera-compiled":
-        forward = compile_model(model)
+        forward = compile_model(model, **released)
     elif row == "comera-compiled-low":
-        forward = compile_model(model, memory="low")
+        forward = compile_model(model, memory="low", **released)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -207,8 +210,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--host-memory", choices=("default", "reuse"), default="default",
-                        help="reuse: every row keeps freed host memory for reuse (glibc)")
+    parser.add_argument("--host-memory", choices=("default", "reuse", "release"),
+                        default="default",
+                        help="reuse: every row keeps freed host memory for reuse (glibc); "
+                             "release: no row does, compiled ones included")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -235,7 +240,8 @@ def main() -> None:
         f"six-encoder, {args.layers} layers, seq {args.seq}; median of {args.steps} steps "
         f"after {args.warmup} warm-up steps; one child process per row"
         + (f" with {args.threads} thread(s)" if args.threads else "")
-        + ("; every row reuses freed host memory" if args.host_memory == "reuse" else "")
+        + {"default": "", "reuse": "; every row reuses freed host memory",
+           "release": "; no row reuses freed host memory"}[args.host_memory]
     )
     results = []
     jobs = [(b, r) for b in batches for r in rows]
