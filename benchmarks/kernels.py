@@ -6,7 +6,9 @@
 2. Bond padding: a TT layer's activation matmuls ``x @ B @ C`` (forward + backward, 4096
    rows) at a rank as is and padded to ``planner.alignment.aligned_rank``; and the GFLOP/s
    of ``x @ B`` alone at the two widths.
-3. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
+3. Inductor's generated CPU loops against aten's kernels for the same math on a
+   4096 x 3072 activation: GELU, GELU backward, and a sum over rows (a bias gradient).
+4. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
    six-encoder layer allocates at batch 32 x 128) with glibc's default allocator, which
    maps each such block anew, and with ``compile.host_memory`` reuse; minor page faults per
    call next to the time. Runs last: the reuse setting is process-wide.
@@ -83,6 +85,23 @@ def gflops_rows(repeats: int) -> list[list[str]]:
     return rows
 
 
+def inductor_rows(repeats: int) -> list[list[str]]:
+    x, grad = torch.randn(ROWS, 3072), torch.randn(ROWS, 3072)
+    ops = {
+        "GELU": (lambda x, g: F.gelu(x), (x, grad)),
+        "GELU backward": (lambda x, g: torch.ops.aten.gelu_backward(g, x), (x, grad)),
+        "sum over rows": (lambda x, g: x.sum(0), (x, grad)),
+    }
+    rows = []
+    for name, (fn, args) in ops.items():
+        aten_s = median_seconds(lambda fn=fn, args=args: fn(*args), repeats)
+        compiled = torch.compile(fn, backend="inductor")
+        inductor_s = median_seconds(lambda f=compiled, args=args: f(*args), repeats)
+        rows.append([name, f"{aten_s * 1e3:.1f}", f"{inductor_s * 1e3:.1f}",
+                     f"{inductor_s / aten_s:.2f}x"])
+    return rows
+
+
 def host_memory_rows(repeats: int) -> list[list[str]]:
     import resource
 
@@ -115,6 +134,9 @@ def main() -> None:
                 ["chain", "rank", "as is", "padded", "speed-up", "padded by default"]))
     print("\nsgemm alone:")
     print(table(gflops_rows(args.repeats), ["product", "GFLOP/s"]))
+    print(f"\naten vs inductor on a {ROWS} x 3072 activation (ms, median; host memory reused):")
+    reuse_freed_host_memory(True)
+    print(table(inductor_rows(args.repeats), ["op", "aten", "inductor", "inductor/aten"]))
     print(f"\nGELU(x) * 2 on a {ROWS} x 3072 activation, by host allocator (ms, median):")
     print(table(host_memory_rows(args.repeats),
                 ["allocator", "ms", "page faults per call", "speed-up"]))
