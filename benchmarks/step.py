@@ -7,7 +7,9 @@ A step is forward + cross-entropy + backward + optimizer step (AdamW, lr 1e-4, n
 decay; dropout 0.1, train mode). Step time is the median of ``--steps`` steps after
 ``--warmup`` steps (compilation happens in the warm-up). Training memory is the peak RSS
 sampled during the timed steps minus the RSS of the process before the model is built (on
-CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps). The compiled CoMERA rows
+CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps). Page faults are the minor
+faults of the process per timed step (``getrusage``): each is a 4 KiB page of a freshly
+mapped block touched for the first time. The compiled CoMERA rows
 keep freed host memory for reuse (the backend's ``host_memory`` default at the default
 memory budget); ``--host-memory reuse`` sets the same allocator in every row, so the eager
 rows can be compared with it on equal terms, and ``--host-memory release`` keeps glibc's
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -142,11 +145,13 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with PeakRss() as peak:
         for _ in range(steps):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     memory = (
         torch.cuda.max_memory_allocated() if device == "cuda" else peak.peak - base
     )
@@ -156,6 +161,7 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
         "ms": statistics.median(times) * 1e3,
         "warmup_s": warm,
         "memory_mb": memory / 2**20,
+        "faults": faults,
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -182,7 +188,8 @@ def table(results: list[dict], batch: int) -> str:
     mine = {r["row"]: r for r in results if r["batch"] == batch}
     lines = [
         f"batch {batch} x seq: {'row':20s} {'ms/step':>9s} {'memory MB':>10s} "
-        f"{'speed/dense':>11s} {'mem/dense':>9s} {'speed/GaLore':>12s} {'mem/GaLore':>10s}"
+        f"{'speed/dense':>11s} {'mem/dense':>9s} {'speed/GaLore':>12s} {'mem/GaLore':>10s} "
+        f"{'faults/step':>11s}"
     ]
     dense, galore = mine.get("dense-eager"), mine.get("galore")
 
@@ -196,7 +203,8 @@ def table(results: list[dict], batch: int) -> str:
         lines.append(
             f"{'':13s}{name:20s} {r['ms']:9.1f} {r['memory_mb']:10.1f} "
             f"{ratio(dense, r, 'ms'):>11s} {ratio(dense, r, 'memory_mb'):>9s} "
-            f"{ratio(galore, r, 'ms'):>12s} {ratio(galore, r, 'memory_mb'):>10s}"
+            f"{ratio(galore, r, 'ms'):>12s} {ratio(galore, r, 'memory_mb'):>10s} "
+            f"{r['faults']:11,.0f}"
         )
     return "\n".join(lines)
 
@@ -252,8 +260,8 @@ def main() -> None:
             continue
         results.append(out)
         tqdm.write(
-            f"  batch {batch} {row}: {out['ms']:.1f} ms/step, {out['memory_mb']:.1f} MB "
-            f"(warm-up {out['warmup_s']:.0f} s)",
+            f"  batch {batch} {row}: {out['ms']:.1f} ms/step, {out['memory_mb']:.1f} MB, "
+            f"{out['faults']:,.0f} page faults/step (warm-up {out['warmup_s']:.0f} s)",
             file=sys.stderr,
         )
     for batch in batches:

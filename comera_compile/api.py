@@ -217,8 +217,7 @@ def optimize(
     if compile_result:  # in place (nn.Module.compile), so the result stays the user's class
         from comera_compile.compile import compile_model  # imports inductor: on demand
 
-        options = {} if host_memory is None else {"host_memory": host_memory}
-        compile_model(target, memory=memory, in_place=True, **options)
+        compile_model(target, memory=memory, host_memory=host_memory, in_place=True)
     return target
 
 

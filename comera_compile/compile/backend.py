@@ -45,7 +45,10 @@ from torch import fx
 
 from comera_compile.compile.dropout import DropoutTag
 from comera_compile.compile.dropout import decompositions as dropout_decompositions
-from comera_compile.compile.host_memory import reuse_freed_host_memory
+from comera_compile.compile.host_memory import (
+    reuse_freed_host_memory,
+    reusing_freed_host_memory,
+)
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
@@ -125,9 +128,12 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     else:
         _warn_plain()
     _log_start(nodes)
-    host_memory = opts.host_memory or ("reuse" if opts.memory >= 1 else None)
-    if host_memory and not _on_cuda(example_inputs):
-        reuse_freed_host_memory(host_memory == "reuse")
+    if opts.host_memory is not None:
+        reuse = opts.host_memory == "reuse"  # "release" only undoes an earlier graph's reuse
+    else:  # reuse at the default budget; below it, leave the allocator as it is
+        reuse = True if opts.memory >= 1 else reusing_freed_host_memory()
+    if reuse != reusing_freed_host_memory() and not _on_cuda(example_inputs):
+        reuse_freed_host_memory(reuse)
     # the partitioner reads the activation budget while the graph is compiled, right here
     with torch._functorch.config.patch(activation_memory_budget=opts.memory):
         if not opts.inductor:

@@ -3,15 +3,18 @@
 glibc's ``malloc`` serves every block above a threshold (128 KiB, rising to at most
 32 MiB) with its own ``mmap`` and unmaps it on ``free``. A training step on CPU allocates
 and frees the same large activations every step (a 4096 x 3072 float tensor is 48 MiB),
-so each step maps them anew and pays a page fault per 4 KiB page on first touch: about
-150k faults per step for two six-encoder layers at batch 32 x 128, a quarter of the step
-time. With the mmap threshold and the trim threshold raised, freed blocks stay in the heap
-and the next step reuses them without faults (``benchmarks/kernels.py`` prints the
-difference on a GELU over such a tensor).
+so each step maps them anew and pays a page fault per 4 KiB page on first touch. With the
+mmap threshold and the trim threshold raised, freed blocks stay in the heap and the next
+step reuses them without faults (``benchmarks/kernels.py`` prints the difference on a GELU
+over such a tensor).
 
 The price is resident memory: what the heap held at its peak stays resident, and heap
 fragmentation can add to the peak. So the compiled step reuses by default only with the
 default activation memory; ``memory="low"`` leaves the allocator as it is.
+
+Blocks above 32 MiB are mapped anew under glibc's defaults whatever came before; smaller
+ones can be kept by glibc's own adaptive threshold, partly (``benchmarks/step.py`` prints
+the page faults per step of each row, with and without reuse).
 """
 
 from __future__ import annotations
@@ -49,8 +52,12 @@ def _mallopt():
 
 
 def reuse_freed_host_memory(enable: bool = True) -> bool:
-    """Make large freed host blocks stay in the heap for reuse (``enable=False``: back to
-    glibc's defaults). Process-wide. Returns False where the C library is not glibc."""
+    """Make large freed host blocks stay in the heap for reuse. Process-wide. Returns False
+    where the C library is not glibc.
+
+    ``enable=False`` sets glibc's initial thresholds (128 KiB) again; glibc's own raising of
+    the mmap threshold as blocks are freed stays off after any ``mallopt`` call, so a process
+    that never enabled reuse should not call this (the backend does not)."""
     mallopt = _mallopt()
     if mallopt is None:
         return False
