@@ -93,7 +93,7 @@ def galore_optimizer(model, lr: float):
 
 
 def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int,
-            host_memory: str = "default") -> dict:
+            host_memory: str = "default", low_memory: str | float = "low") -> dict:
     """Build, warm up and time one row in this process; returns its measurements."""
     import torch
     import torch.nn.functional as F
@@ -129,7 +129,7 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     elif row == "comera-compiled":
         forward = compile_model(model, **released)
     elif row == "comera-compiled-low":
-        forward = compile_model(model, memory="low", **released)
+        forward = compile_model(model, memory=low_memory, **released)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -172,10 +172,12 @@ def child(args: argparse.Namespace, row: str, batch: int) -> dict | str:
         sys.executable, __file__, "--child", row, "--batches", str(batch), "--seq",
         str(args.seq), "--layers", str(args.layers), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--threads", str(args.threads),
-        "--host-memory", args.host_memory,
+        "--host-memory", args.host_memory, "--low-memory", args.low_memory,
     ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.huge_pages:  # read by torch's CPU allocator at its first allocation
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -222,6 +224,12 @@ def main() -> None:
                         default="default",
                         help="reuse: every row keeps freed host memory for reuse (glibc); "
                              "release: no row does, compiled ones included")
+    parser.add_argument("--low-memory", default="low",
+                        help="the memory setting of the comera-compiled-low row: 'low' or an "
+                             "activation budget in (0, 1]")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="every row allocates blocks of 2 MiB and more on transparent huge "
+                             "pages (torch's THP_MEM_ALLOC_ENABLE=1)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -231,8 +239,9 @@ def main() -> None:
 
         if args.threads:
             torch.set_num_threads(args.threads)
+        low_memory = args.low_memory if args.low_memory == "low" else float(args.low_memory)
         print(json.dumps(run_row(args.child, batches[0], args.seq, args.layers, args.steps,
-                                 args.warmup, args.host_memory)))
+                                 args.warmup, args.host_memory, low_memory)))
         return
 
     from tqdm import tqdm
@@ -250,6 +259,8 @@ def main() -> None:
         + (f" with {args.threads} thread(s)" if args.threads else "")
         + {"default": "", "reuse": "; every row reuses freed host memory",
            "release": "; no row reuses freed host memory"}[args.host_memory]
+        + ("; huge pages (THP_MEM_ALLOC_ENABLE=1)" if args.huge_pages else "")
+        + (f"; low-memory row: memory={args.low_memory}" if args.low_memory != "low" else "")
     )
     results = []
     jobs = [(b, r) for b in batches for r in rows]

@@ -89,7 +89,7 @@ def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slo
 
     calls = []
 
-    def fake_compile_fx(gm, example_inputs, config_patches=None, decompositions=None):
+    def fake_compile_fx(gm, example_inputs, config_patches=None, decompositions=None, **_):
         calls.append((config_patches, decompositions))
         return gm.forward
 
@@ -128,3 +128,34 @@ def test_low_memory_saves_the_boolean_mask_not_the_words_it_came_from():
     assert ours == {torch.ops.aten.ge.Scalar}  # the mask
     atens = marked(lambda x: torch.ops.aten.native_dropout.default(x, 0.1, True))
     assert atens == {torch.ops.aten.native_dropout.default}  # a random node of the input
+
+
+def test_low_memory_keeps_dropout_masks_as_bits_and_the_gradients_exact():
+    """Under a memory budget the mask lives from forward to backward as one byte per eight
+    elements (``pack_saved_masks``), and the gradient is still the forward's mask times the
+    scale, element for element (a wrong bit would zero or keep the wrong gradient)."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    from comera_compile.compile.recompute import partition_keeping_random
+
+    saved = []
+
+    def forward_compiler(graph, _inputs):
+        outputs = next(n for n in graph.graph.nodes if n.op == "output").args[0]
+        saved.extend(n.meta["val"] for n in outputs[1:])
+        return make_boxed_func(graph.forward)
+
+    def fn(x):
+        return native_dropout(x * 3.0, 0.25, True)[0]
+
+    x = torch.randn(5, 37, requires_grad=True)  # 185 elements: the last byte is padded
+    with torch._functorch.config.patch(activation_memory_budget=0.05):
+        compiled = aot_function(fn, fw_compiler=forward_compiler,
+                                bw_compiler=lambda g, _: make_boxed_func(g.forward),
+                                partition_fn=partition_keeping_random)
+        out = compiled(x)
+    assert [(v.dtype, v.numel()) for v in saved] == [(torch.uint8, 24)]  # ceil(185 / 8)
+    out.backward(torch.ones_like(out))
+    kept = out != 0
+    assert 0.6 < kept.float().mean() < 0.9
+    torch.testing.assert_close(x.grad, kept * 3.0 / 0.75)

@@ -12,6 +12,10 @@ The price is resident memory: what the heap held at its peak stays resident, and
 fragmentation can add to the peak. So the compiled step reuses by default only with the
 default activation memory; ``memory="low"`` leaves the allocator as it is.
 
+Compiling a graph frees much more than it keeps (fake tensors, traced graphs, sympy
+expressions): :func:`release_free_heap` hands the freed pages back once a graph is
+compiled, so reuse keeps the step's blocks, not the compiler's garbage.
+
 Blocks above 32 MiB are mapped anew under glibc's defaults whatever came before; smaller
 ones can be kept by glibc's own adaptive threshold, partly (``benchmarks/step.py`` prints
 the page faults per step of each row, with and without reuse).
@@ -37,14 +41,23 @@ _state = {"reuse": False}
 
 
 @functools.cache
-def _mallopt():
-    """glibc's ``mallopt``, or None where there is none (macOS, musl, Windows)."""
+def _glibc():
+    """The C library when it is glibc, else None (macOS, musl, Windows)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018 - glibc only
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+@functools.cache
+def _mallopt():
+    """glibc's ``mallopt``, or None where there is none."""
+    libc = _glibc()
+    if libc is None:
         return None
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -73,3 +86,13 @@ def reuse_freed_host_memory(enable: bool = True) -> bool:
 def reusing_freed_host_memory() -> bool:
     """Whether :func:`reuse_freed_host_memory` is in effect."""
     return _state["reuse"]
+
+
+def release_free_heap() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``), whatever the
+    thresholds. Returns False where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True

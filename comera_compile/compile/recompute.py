@@ -4,8 +4,10 @@ With an activation memory budget below 1 (``memory="low"``), AOT autograd's min-
 partitioner may lift its own ban on recomputing random ops (dropout) to meet the budget.
 On CPU nothing replays the random stream, so the backward would draw a *new* dropout mask
 and compute gradients of a forward that never ran. Marking the random values ``MUST_SAVE``
-in the joint graph, before partitioning, keeps each dropout mask (one byte per element)
-and lets the budget recompute everything around it.
+in the joint graph, before partitioning, keeps each dropout mask and lets the budget
+recompute everything around it. :func:`pack_saved_masks` then keeps each boolean mask as
+bits (one byte per eight elements, not one per element): 75 MB less kept for backward in
+the six-encoder at batch 32 x 128, where the rest of what ``memory="low"`` keeps is 90 MB.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 
@@ -52,11 +55,81 @@ def save_random_values(graph: fx.Graph) -> int:
     return count
 
 
+aten = torch.ops.aten
+BITS = 8
+
+
+def _call(graph: fx.Graph, mode, target, *args, **kwargs) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` with its fake value (the partitioner sizes nodes
+    by their ``val``)."""
+    node = graph.call_function(target, args, kwargs)
+    with mode:
+        node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
+    return node
+
+
+def _packable(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return (node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+            and isinstance(value, FakeTensor) and value.dtype == torch.bool
+            and value.is_contiguous() and all(isinstance(d, int) for d in value.shape)
+            and value.numel() >= 64)
+
+
+def pack_saved_masks(graph: fx.Graph) -> int:
+    """Keep each saved boolean mask of a joint graph as bits; returns how many.
+
+    ``mask`` becomes ``packed = sum(mask_bytes << [0..7])`` (marked saved) and
+    ``unpacked = (packed >> [0..7]) & 1`` (marked recomputed), which every former reader of
+    ``mask`` reads instead: the forward and backward each unpack in their own fused kernel,
+    and only the packed bytes live from one to the other. Masks of symbolic shape stay bytes.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    count = 0
+    for mask in [n for n in graph.nodes if _packable(n)]:
+        value, readers = mask.meta["val"], list(mask.users)
+        mode, numel, groups = value.fake_mode, value.numel(), -(-value.numel() // BITS)
+        with graph.inserting_before(min(readers, key=order.__getitem__)):
+            shifts = _call(graph, mode, torch.ops.prims.iota.default, BITS, start=0, step=1,
+                           dtype=torch.uint8, device=value.device, requires_grad=False)
+            packed = mask
+            for target, *args in (
+                (aten.view.default, [numel]),
+                (aten.constant_pad_nd.default, [0, groups * BITS - numel]),
+                (aten.view.default, [groups, BITS]),
+                (torch.ops.prims.convert_element_type.default, torch.uint8),
+                (aten.bitwise_left_shift.Tensor, shifts),
+                (aten.sum.dim_IntList, [1]),
+            ):
+                kwargs = {"dtype": torch.uint8} if target is aten.sum.dim_IntList else {}
+                packed = _call(graph, mode, target, packed, *args, **kwargs)
+            unpacked = [_call(graph, mode, aten.unsqueeze.default, packed, 1)]
+            for target, *args in (
+                (aten.bitwise_right_shift.Tensor, shifts),
+                (aten.bitwise_and.Scalar, 1),
+                (aten.view.default, [groups * BITS]),
+                (aten.slice.Tensor, 0, 0, numel),
+                (aten.view.default, list(value.shape)),
+                (aten.ne.Scalar, 0),
+            ):
+                unpacked.append(_call(graph, mode, target, unpacked[-1], *args))
+        for reader in readers:
+            reader.replace_input_with(mask, unpacked[-1])
+        del mask.meta["recompute"]
+        packed.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        for node in (shifts, *unpacked):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        count += 1
+    return count
+
+
 class SaveRandomValues(CustomGraphPass):
-    """:func:`save_random_values` as inductor's ``joint_custom_pre_pass``."""
+    """:func:`save_random_values` and :func:`pack_saved_masks` as inductor's
+    ``joint_custom_pre_pass``."""
 
     def __call__(self, graph: fx.Graph) -> None:
         save_random_values(graph)
+        pack_saved_masks(graph)
 
     def uuid(self) -> bytes:  # part of inductor's cache key: changes with this file
         return hashlib.sha256(Path(__file__).read_bytes()).digest()
@@ -67,4 +140,6 @@ def partition_keeping_random(joint: fx.GraphModule, joint_inputs, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     save_random_values(joint.graph)
+    pack_saved_masks(joint.graph)
+    joint.recompile()
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
