@@ -161,8 +161,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
 
 def _compile_then_release(cuda: bool):
     """Inductor's inner compile (called once for the forward, once for the backward); on
-    CPU followed by :func:`release_free_heap`: compiling frees far more than it keeps
-    (about 90 MB for the six-encoder), and with reuse on, the heap would hold it."""
+    CPU followed by :func:`release_free_heap`: compiling frees far more than it keeps, and
+    with reuse on, the heap would hold it."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     if cuda:
