@@ -120,3 +120,22 @@ def test_each_inductor_compile_on_cpu_releases_the_free_heap(monkeypatch):
     out.sum().backward()
     torch.testing.assert_close(out, model(x))
     assert len(calls) == 2
+
+
+def test_low_memory_on_cpu_hints_huge_pages_once(monkeypatch, caplog):
+    import logging
+
+    import comera_compile.compile.backend as backend
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.setattr(backend, "_hinted_huge_pages", False)
+    reuse_freed_host_memory(False)
+    model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        for width in (4, 5):  # two graphs, one hint
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="comera",
+                                     options={"inductor": False, "memory": "low"})
+            compiled(torch.randn(width, 64)).sum().backward()
+    hints = [r for r in caplog.records if "THP_MEM_ALLOC_ENABLE=1" in r.getMessage()]
+    assert len(hints) == 1

@@ -37,6 +37,7 @@ first call of a new batch bucket can take tens of seconds on CPU); to see it::
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +58,7 @@ from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
 log = logging.getLogger("comera_compile")
 _warned_plain = False
+_hinted_huge_pages = False
 
 
 def tensorized_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -116,6 +118,19 @@ def _log_start(nodes: list[fx.Node]) -> None:
         log.info("comera backend: compiling a plain graph (the first call takes a while)")
 
 
+def _hint_huge_pages() -> None:
+    """Once per process: a low memory budget on CPU pays page faults that huge pages cut."""
+    global _hinted_huge_pages
+    if _hinted_huge_pages or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
+        return
+    _hinted_huge_pages = True
+    log.info(
+        "comera backend: memory='low' on CPU frees and maps its large activations every "
+        "step; start the process with THP_MEM_ALLOC_ENABLE=1 (torch's huge pages) for fewer "
+        "page faults and a lower peak"
+    )
+
+
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
@@ -136,6 +151,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         reuse = True if opts.memory >= 1 else reusing_freed_host_memory()
     if reuse != reusing_freed_host_memory() and not _on_cuda(example_inputs):
         reuse_freed_host_memory(reuse)
+    if opts.memory < 1 and not reuse and not _on_cuda(example_inputs):
+        _hint_huge_pages()
     # the partitioner reads the activation budget while the graph is compiled, right here
     with torch._functorch.config.patch(activation_memory_budget=opts.memory):
         if not opts.inductor:
