@@ -120,9 +120,9 @@ def optimize(
     activations in backward and keeps dropout masks as bits: for the six-encoder at batch
     32 on a 2-core CPU, 2.96x less training memory than dense (3.79x with huge pages) for
     40% more step time than the default compiled step (as much as eager). ``host_memory``
-    (compiled models on CPU): ``"reuse"`` keeps freed host
-    memory in the heap so each step's large activations are not faulted in anew,
-    ``"release"`` leaves glibc's allocator alone; None reuses unless ``memory="low"``.
+    (compiled models on CPU): ``"reuse"`` keeps freed host memory in the heap so each
+    step's large activations are not faulted in anew, ``"release"`` undoes an earlier
+    graph's reuse; None reuses unless ``memory="low"``.
     A model built under ``torch.device("meta")`` (too big to build dense) takes
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer

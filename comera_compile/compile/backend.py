@@ -25,7 +25,7 @@ holds one recognisable node per tensorized layer. The backend
 5. on CPU with the default memory budget, keeps freed host memory in the heap
    (``compile.host_memory``): otherwise every step maps its large activations anew and
    pays a page fault per 4 KiB page. On CPU, each compiled forward and backward then
-   hands the compiler's freed memory back to the OS, so it never counts as the model's.
+   hands the memory the compiler freed back to the OS, so the heap does not keep it.
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
 first call of a new batch bucket can take tens of seconds on CPU); to see it::

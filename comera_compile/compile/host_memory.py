@@ -12,9 +12,10 @@ The price is resident memory: what the heap held at its peak stays resident, and
 fragmentation can add to the peak. So the compiled step reuses by default only with the
 default activation memory; ``memory="low"`` leaves the allocator as it is.
 
-Compiling a graph frees much more than it keeps (fake tensors, traced graphs, sympy
-expressions): :func:`release_free_heap` hands the freed pages back once a graph is
-compiled, so reuse keeps the step's blocks, not the compiler's garbage.
+Compiling a graph allocates and frees temporary memory of its own:
+:func:`release_free_heap` hands the free pages back once a graph is compiled, so reuse
+keeps the step's blocks rather than the compiler's leftovers. (What the compiler keeps
+alive, its modules, guards and generated code, is held, not free, and stays.)
 
 Blocks above 32 MiB are mapped anew under glibc's defaults whatever came before; smaller
 ones can be kept by glibc's own adaptive threshold, partly (``benchmarks/step.py`` prints
