@@ -240,3 +240,12 @@ def test_macs() -> None:
     # TTM sweep equals the direct product when every rank is 1.
     assert ttm_linear_macs(2, [3, 4], [5, 6], [1, 1, 1]) == 2 * (3 * 5 * 6 + 3 * 4 * 6)
     assert ttm_linear_macs(1, [4, 4], [4, 4], [1, 2, 1]) == 4 * 4 * 2 * 4 + 4 * 2 * 4 * 4
+
+
+def test_chain_norm_is_the_norm_of_the_dense_tensor():
+    from comera_compile.formats import chain_norm, tt_random_cores, tt_to_dense
+
+    torch.manual_seed(0)
+    cores = tt_random_cores([4, 5], [3, 6], [7, 3, 9], 0.3)
+    dense = tt_to_dense(cores, [4, 5], [3, 6])
+    assert chain_norm(cores) == pytest.approx(float(dense.norm()), rel=1e-5)

@@ -241,3 +241,23 @@ def test_compile_and_autotune_options():
     layers = [m for m in eager.modules() if isinstance(m, TensorizedLayer)]
     assert layers and all(m.autotune and m.objective == "flops" for m in layers)
     assert model(torch.randn(2, 256)).shape == (2, 10)
+
+
+def test_random_init_starts_at_the_scale_of_the_weights_it_replaces():
+    """Hugging Face models initialise with std 0.02, not torch's layer defaults: a random TT
+    embedding at nn.Embedding's N(0, 1) made GPT-2's tied head start with logits ~50x too
+    large (loss near 0 on its own input tokens). Each layer now starts at its weight's RMS."""
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=4,
+                                      n_positions=64))
+    ids = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = cc.optimize(base, budget=0.3, example_inputs=(ids,), compile=False).eval()
+    swapped = [(name, m) for name, m in model.named_modules() if isinstance(m, TensorizedLayer)]
+    assert swapped
+    for name, layer in swapped:
+        dense = base.get_submodule(name).weight
+        rms = float(layer.to_dense().square().mean().sqrt())
+        assert rms == pytest.approx(float(dense.square().mean().sqrt()), rel=1e-3), name
+    with torch.no_grad():
+        ours, theirs = model(ids).logits.std(), base.eval()(ids).logits.std()
+    assert 0.5 < float(ours / theirs) < 2.0

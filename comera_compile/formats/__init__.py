@@ -32,10 +32,11 @@ from .layout import (
     modes_cover,
 )
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
-from .tt import merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
+from .tt import chain_norm, merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
 from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
 
 __all__ = [
+    "chain_norm",
     "ChainLayout",
     "LOWRANK",
     "TT",

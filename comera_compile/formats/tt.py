@@ -66,6 +66,17 @@ def merge_cores(cores: Sequence[Tensor]) -> Tensor:
     return acc
 
 
+def chain_norm(cores: Sequence[Tensor]) -> float:
+    """Frobenius norm of the tensor a core chain represents, without building it: the
+    chain of each core's Gram over its physical modes (cost linear in the modes)."""
+    gram = torch.ones(1, 1, dtype=cores[0].dtype, device=cores[0].device)
+    for core in cores:
+        core = core.reshape(core.shape[0], -1, core.shape[-1])
+        half = torch.tensordot(gram, core, dims=([0], [0]))  # (left', modes, right)
+        gram = torch.tensordot(half, core, dims=([0, 1], [0, 1]))  # (right, right')
+    return float(gram.reshape(-1).sum().clamp_min(0).sqrt())
+
+
 def check_chain(cores: Sequence[Tensor], physical: Sequence[tuple[int, ...]]) -> None:
     """Core k must be ``(r_{k-1}, *physical[k], r_k)`` with ``r_0 = r_L = 1``."""
     if len(cores) != len(physical):

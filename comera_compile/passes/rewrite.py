@@ -8,10 +8,12 @@ same from a checkpoint's saved layouts (empty layers, filled by ``load_state_dic
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from comera_compile.formats import LOWRANK, TT, TT_EMBEDDING, TTM
+from comera_compile.formats import LOWRANK, TT, TT_EMBEDDING, TTM, chain_norm
 from comera_compile.nn import (
     DEFAULT_THRESHOLD,
     LowRankLinear,
@@ -63,6 +65,19 @@ def new_layer(
     )
 
 
+def match_weight_scale(layer: TensorizedLayer, weight: torch.Tensor) -> None:
+    """Scale random cores so the layer's weight has the RMS of the weight it replaces.
+
+    The layer classes start at torch's own defaults (``nn.Embedding``'s N(0, 1), ``nn.Linear``'s
+    uniform); a model that initialises its own way (Hugging Face models: std 0.02) would
+    otherwise start 50x off, and a tied LM head would begin with logits of std ~12."""
+    with torch.no_grad():
+        target = float(weight.detach().float().square().mean().sqrt())
+        current = chain_norm(layer.gated_cores()) / math.sqrt(weight.numel())
+        if target > 0 and current > 0:
+            layer.cores[0].mul_(target / current)
+
+
 def _as_linear(cand: Candidate) -> nn.Linear:
     """A Linear view of the layer's weights (HF Conv1D stores ``weight`` as ``(in, out)``)."""
     if cand.kind != CONV1D:
@@ -91,6 +106,8 @@ def build_layer(
     if init == "random":
         layer = new_layer(cand, spec.format, ranks, spec.in_modes, spec.out_modes,
                           device=device if meta else None)
+        if not meta:
+            match_weight_scale(layer, cand.weight)
         if cand.bias and not meta:  # keep the trained (or initialised) bias: it costs nothing
             layer.bias.data.copy_(cand.module.bias.detach())
         return layer
