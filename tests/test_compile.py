@@ -279,3 +279,30 @@ def test_each_compiled_graph_logs_one_line(caplog):
     assert [r.name for r in lines] == ["comera_compile"] * 2
     assert "3 tensorized layer call(s), row bucket 8 " in lines[0].getMessage()
     assert "row bucket 512 " in lines[1].getMessage()
+
+
+def test_sparse_table_left_dense_trains_compiled_with_sparse_gradients(caplog):
+    """Inductor cannot compile a sparse gradient; a graph with a sparse=True lookup runs with
+    AOT autograd and eager kernels instead, and its gradients are eager's, still sparse."""
+    import logging
+
+    class Clicks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.EmbeddingBag(50, 8, mode="sum", sparse=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, ids):
+            return self.head(self.table(ids)).squeeze(1)
+
+    torch.manual_seed(0)
+    model = Clicks()
+    ids = torch.randint(0, 50, (6, 3), generator=torch.Generator().manual_seed(0))
+    model(ids).sum().backward()
+    eager = model.table.weight.grad.to_dense().clone()
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        torch.compile(model, backend="comera")(ids).sum().backward()
+    assert model.table.weight.grad.is_sparse
+    torch.testing.assert_close(model.table.weight.grad.to_dense(), eager)
+    assert any("sparse=True" in r.getMessage() for r in caplog.records)

@@ -36,6 +36,7 @@ first call of a new batch bucket can take tens of seconds on CPU); to see it::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import warnings
@@ -131,6 +132,18 @@ def _hint_huge_pages() -> None:
     )
 
 
+def has_sparse_embedding(gm: fx.GraphModule) -> bool:
+    """Whether the graph looks up an embedding with ``sparse=True`` (a table left dense):
+    inductor cannot compile the backward of a sparse gradient (it reads tensor storages)."""
+    lookups = (torch.nn.functional.embedding, torch.nn.functional.embedding_bag)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in lookups:
+            bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+            if bound.arguments.get("sparse"):
+                return True
+    return False
+
+
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
@@ -155,7 +168,12 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         _hint_huge_pages()
     # the partitioner reads the activation budget while the graph is compiled, right here
     with torch._functorch.config.patch(activation_memory_budget=opts.memory):
-        if not opts.inductor:
+        sparse = opts.inductor and has_sparse_embedding(gm)
+        if sparse:
+            log.info("comera backend: this graph looks up a sparse=True embedding table left "
+                     "dense; inductor cannot compile sparse gradients, so it runs with AOT "
+                     "autograd and eager kernels")
+        if not opts.inductor or sparse:
             return _aot_eager(gm, example_inputs, low_memory=opts.memory < 1)
         from torch._inductor.compile_fx import compile_fx
 
