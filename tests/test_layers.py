@@ -268,3 +268,22 @@ def test_dtype_and_leading_dims_like_nn_linear():
     out = layer(torch.randn(2, 3, 4, 32, dtype=torch.float64))
     assert out.shape == (2, 3, 4, 8) and out.dtype == torch.float64
     assert layer(torch.randn(0, 32, dtype=torch.float64)).shape == (0, 8)
+
+
+def test_gate_threshold_values_and_gradients():
+    """Entries with |g| <= threshold are exactly 0 forward and get no gradient; the rest pass."""
+    from comera_compile.nn.gates import fold_gates, hard_threshold
+
+    gate = torch.tensor([0.5, -0.01, 0.01, 0.0099, -0.3, 0.02], requires_grad=True)
+    out = hard_threshold(gate, 0.01)
+    assert out.tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0, -0.3, 0.02])
+    out.backward(torch.arange(1.0, 7.0))
+    assert gate.grad.tolist() == [1.0, 0.0, 0.0, 0.0, 5.0, 6.0]
+
+    cores = [torch.randn(1, 3, 6, dtype=torch.bfloat16), torch.randn(6, 4, 1, dtype=torch.bfloat16)]
+    folded = fold_gates(cores, [gate.detach()], 0.01)
+    assert folded[0].dtype == torch.bfloat16 and folded[1] is cores[1]
+    keep = torch.tensor([1.0, 0, 0, 0, 1, 1])
+    expected = cores[0].float() * (gate.detach() * keep)
+    assert torch.allclose(folded[0].float(), expected, atol=1e-2)
+    assert (folded[0][..., 1:4] == 0).all()

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 DEFAULT_THRESHOLD = 0.01
 
 
 def hard_threshold(gate: Tensor, threshold: float) -> Tensor:
-    """The gate as the forward sees it: entries with ``|g| <= threshold`` become exactly 0."""
-    return torch.where(gate.abs() > threshold, gate, torch.zeros_like(gate))
+    """The gate as the forward sees it: entries with ``|g| <= threshold`` become exactly 0.
+
+    That is ``hardshrink``: one kernel forward and one backward (the gradient is zero
+    exactly where the entry is off), where abs / compare / where took five per gate.
+    """
+    return F.hardshrink(gate, threshold)
 
 
 def fold_gates(cores: Sequence[Tensor], gates: Sequence[Tensor], threshold: float) -> list[Tensor]:
