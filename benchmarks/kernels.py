@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import median_seconds, table  # noqa: E402
 
 from comera_compile.compile.dropout import keep_mask  # noqa: E402
-from comera_compile.compile.host_memory import reuse_freed_host_memory  # noqa: E402
+from comera_compile.compile.host_memory import set_host_memory  # noqa: E402
 from comera_compile.machine import describe_machine  # noqa: E402
 from comera_compile.planner.alignment import aligned_rank  # noqa: E402
 
@@ -107,8 +107,8 @@ def host_memory_rows(repeats: int) -> list[list[str]]:
 
     x = torch.randn(ROWS, 3072)
     rows, first = [], None
-    for setting in ("default", "reuse"):
-        if not reuse_freed_host_memory(setting == "reuse"):
+    for setting in ("release", "reuse"):
+        if not set_host_memory(setting):
             return [["(not glibc: no mallopt)", "-", "-", "-"]]
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         seconds = median_seconds(lambda: F.gelu(x) * 2.0, repeats)
@@ -135,7 +135,7 @@ def main() -> None:
     print("\nsgemm alone:")
     print(table(gflops_rows(args.repeats), ["product", "GFLOP/s"]))
     print(f"\naten vs inductor on a {ROWS} x 3072 activation (ms, median; host memory reused):")
-    reuse_freed_host_memory(True)
+    set_host_memory("reuse")
     print(table(inductor_rows(args.repeats), ["op", "aten", "inductor", "inductor/aten"]))
     print(f"\nGELU(x) * 2 on a {ROWS} x 3072 activation, by host allocator (ms, median):")
     print(table(host_memory_rows(args.repeats),

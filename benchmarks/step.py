@@ -6,14 +6,15 @@ CoMERA eager, CoMERA compiled (``backend="comera"``), CoMERA compiled + ``memory
 A step is forward + cross-entropy + backward + optimizer step (AdamW, lr 1e-4, no weight
 decay; dropout 0.1, train mode). Step time is the median of ``--steps`` steps after
 ``--warmup`` steps (compilation happens in the warm-up). Training memory is the peak RSS
-sampled during the timed steps minus the RSS of the process before the model is built (on
+during the timed steps (the kernel's high-water mark, reset before them; sampled every 5 ms
+where the reset is refused) minus the RSS of the process before the model is built (on
 CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps). Page faults are the minor
 faults of the process per timed step (``getrusage``): each is a 4 KiB page of a freshly
-mapped block touched for the first time. The compiled CoMERA rows
-keep freed host memory for reuse (the backend's ``host_memory`` default at the default
-memory budget); ``--host-memory reuse`` sets the same allocator in every row, so the eager
-rows can be compared with it on equal terms, and ``--host-memory release`` keeps glibc's
-defaults in the compiled rows too (the allocator's own share of the compiled gain).
+mapped block touched for the first time. The compiled CoMERA row
+keeps freed host memory for reuse and the low-memory row hands it back to the OS at once
+(the backend's ``host_memory`` defaults); the other rows keep glibc's own defaults.
+``--host-memory reuse`` or ``release`` sets that allocator in every row, so rows can be
+compared on equal terms (the allocator's own share of a gain).
 
     pip install galore-torch            # for the GaLore row (skipped when missing)
     python benchmarks/step.py                       # batch 1 x 128 and 32 x 128
@@ -51,11 +52,15 @@ def rss_bytes() -> int:
 
 
 class PeakRss:
-    """Samples the RSS in a thread every few milliseconds while active."""
+    """The peak RSS while active: the kernel's own high-water mark (``VmHWM``), reset on
+    entry through ``/proc/self/clear_refs``, so no short peak is missed. Where that reset
+    is refused, a thread samples the RSS every few milliseconds instead (it can miss a
+    peak shorter than its period); ``exact`` says which one measured."""
 
     def __init__(self, period: float = 0.005) -> None:
         self.period, self.peak, self._stop = period, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self.exact = False
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -64,13 +69,37 @@ class PeakRss:
 
     def __enter__(self) -> PeakRss:
         self.peak = rss_bytes()
-        self._thread.start()
+        self.exact = _reset_high_water_mark()
+        if not self.exact:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self.exact:
+            self.peak = max(self.peak, _high_water_mark())
+        else:
+            self._stop.set()
+            self._thread.join()
         self.peak = max(self.peak, rss_bytes())
+
+
+def _reset_high_water_mark() -> bool:
+    """Set the kernel's peak-RSS mark to the current RSS (Linux 4.0+); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _high_water_mark() > 0
+    except OSError:
+        return False
+
+
+def _high_water_mark() -> int:
+    """``VmHWM`` from /proc/self/status, in bytes (0 where absent)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def galore_optimizer(model, lr: float):
@@ -99,7 +128,7 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     import torch.nn.functional as F
 
     from comera_compile.compile import compile_model
-    from comera_compile.compile.host_memory import reuse_freed_host_memory
+    from comera_compile.compile.host_memory import set_host_memory
     from comera_compile.models.six_encoder import (
         SixEncoderClassifier,
         SixEncoderConfig,
@@ -107,8 +136,8 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if host_memory == "reuse":
-        reuse_freed_host_memory()
+    if host_memory != "default":
+        set_host_memory(host_memory)
     g = torch.Generator().manual_seed(0)
     config = SixEncoderConfig(layers=layers)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
@@ -123,7 +152,7 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     forward = model
-    released = {"host_memory": "release"} if host_memory == "release" else {}
+    released = {"host_memory": host_memory} if host_memory != "default" else {}
     if row == "dense-inductor":
         forward = torch.compile(model, backend="inductor")
     elif row == "comera-compiled":
@@ -162,6 +191,7 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
         "warmup_s": warm,
         "memory_mb": memory / 2**20,
         "faults": faults,
+        "peak": "high-water mark" if peak.exact else "sampled every 5 ms",
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -223,7 +253,7 @@ def main() -> None:
     parser.add_argument("--host-memory", choices=("default", "reuse", "release"),
                         default="default",
                         help="reuse: every row keeps freed host memory for reuse (glibc); "
-                             "release: no row does, compiled ones included")
+                             "release: every row hands it back to the OS at once")
     parser.add_argument("--low-memory", default="low",
                         help="the memory setting of the comera-compiled-low row: 'low' or an "
                              "activation budget in (0, 1]")
@@ -258,7 +288,7 @@ def main() -> None:
         f"after {args.warmup} warm-up steps; one child process per row"
         + (f" with {args.threads} thread(s)" if args.threads else "")
         + {"default": "", "reuse": "; every row reuses freed host memory",
-           "release": "; no row reuses freed host memory"}[args.host_memory]
+           "release": "; every row releases freed host memory at once"}[args.host_memory]
         + ("; huge pages (THP_MEM_ALLOC_ENABLE=1)" if args.huge_pages else "")
         + (f"; low-memory row: memory={args.low_memory}" if args.low_memory != "low" else "")
     )
@@ -277,6 +307,9 @@ def main() -> None:
         )
     for batch in batches:
         print(table(results, batch))
+    peaks = sorted({r["peak"] for r in results})
+    if peaks:
+        print(f"peak RSS: {', '.join(peaks)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Host memory reuse on CPU: freed large blocks stay in the heap, so a step that allocates
-the same large activations again does not fault their pages in anew."""
+"""Host memory on CPU: under reuse, freed large blocks stay in the heap, so a step that
+allocates the same large activations again does not fault their pages in anew; under
+release, they go back to the OS at once."""
 
 import subprocess
 import sys
@@ -8,7 +9,12 @@ import pytest
 import torch
 
 import comera_compile.compile as cc
-from comera_compile.compile.host_memory import reuse_freed_host_memory, reusing_freed_host_memory
+from comera_compile.compile.host_memory import (
+    host_memory_mode,
+    reuse_freed_host_memory,
+    reusing_freed_host_memory,
+    set_host_memory,
+)
 from comera_compile.nn import TTLinear
 
 glibc_only = pytest.mark.skipif(
@@ -87,23 +93,52 @@ def test_release_free_heap_hands_back_what_reuse_keeps():
 def test_host_memory_option_is_checked_at_the_door():
     assert cc.parse_options({}).host_memory is None
     assert cc.parse_options({"host_memory": "release"}).host_memory == "release"
+    with pytest.raises(ValueError, match="must be one of"):
+        set_host_memory("keep")
     with pytest.raises(ValueError, match="'host_memory' must be one of"):
         cc.parse_options({"host_memory": "keep"})
 
 
+MODES = """
+import sys, torch
+from comera_compile.compile.host_memory import host_memory_mode, set_host_memory
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+assert set_host_memory(sys.argv[1]) and host_memory_mode() == sys.argv[1]
+torch.ones(8 * 2**18)  # a freed 8 MiB block: glibc's own threshold would now rise to 8 MiB
+start = rss_mb()
+blocks = [torch.ones(2**18) for _ in range(200)]  # 200 MiB of 1 MiB blocks, touched
+del blocks[::2]  # every other block freed: holes the heap cannot trim from its top
+print(rss_mb() - start)
+"""
+
+
+@glibc_only
+@pytest.mark.parametrize("mode, low, high", [("reuse", 180, 220), ("release", 80, 120)])
+def test_release_unmaps_freed_blocks_that_reuse_keeps(mode, low, high):
+    done = subprocess.run([sys.executable, "-c", MODES, mode], capture_output=True,
+                          text=True, check=True)
+    resident = float(done.stdout)
+    assert low < resident < high  # 100 MiB live; reuse keeps the 100 MiB freed too
+
+
 @glibc_only
 @pytest.mark.parametrize(
-    "options, reusing",
-    [({}, True), ({"memory": "low"}, False), ({"host_memory": "release"}, False),
-     ({"memory": "low", "host_memory": "reuse"}, True)],
+    "options, mode",
+    [({}, "reuse"), ({"memory": "low"}, "release"), ({"host_memory": "release"}, "release"),
+     ({"memory": "low", "host_memory": "reuse"}, "reuse")],
 )
-def test_cpu_graphs_reuse_host_memory_only_with_the_default_memory_budget(options, reusing):
-    reuse_freed_host_memory(False)
+def test_cpu_graphs_reuse_at_the_default_budget_and_release_below_it(options, mode):
+    set_host_memory("reuse" if mode == "release" else "release")
     torch.manual_seed(0)
     model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
     compiled = torch.compile(model, backend="comera", options={"inductor": False, **options})
     compiled(torch.randn(4, 64)).sum().backward()
-    assert reusing_freed_host_memory() is reusing
+    assert host_memory_mode() == mode
+    assert reusing_freed_host_memory() is (mode == "reuse")
 
 
 

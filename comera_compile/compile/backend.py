@@ -24,8 +24,9 @@ holds one recognisable node per tensorized layer. The backend
    (``compile.recompute``): a recomputed dropout would draw a new mask.
 5. on CPU with the default memory budget, keeps freed host memory in the heap
    (``compile.host_memory``): otherwise every step maps its large activations anew and
-   pays a page fault per 4 KiB page. On CPU, each compiled forward and backward then
-   hands the memory the compiler freed back to the OS, so the heap does not keep it.
+   pays a page fault per 4 KiB page. Below it, hands every freed large block back to the
+   OS at once, so the resident memory is what is live. On CPU, each compiled forward and
+   backward then hands the memory the compiler freed back to the OS too.
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
 first call of a new batch bucket can take tens of seconds on CPU); to see it::
@@ -49,9 +50,9 @@ from torch import fx
 from comera_compile.compile.dropout import DropoutTag
 from comera_compile.compile.dropout import decompositions as dropout_decompositions
 from comera_compile.compile.host_memory import (
+    host_memory_mode,
     release_free_heap,
-    reuse_freed_host_memory,
-    reusing_freed_host_memory,
+    set_host_memory,
 )
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
@@ -158,13 +159,12 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     else:
         _warn_plain()
     _log_start(nodes)
-    if opts.host_memory is not None:
-        reuse = opts.host_memory == "reuse"  # "release" only undoes an earlier graph's reuse
-    else:  # reuse at the default budget; below it, leave the allocator as it is
-        reuse = True if opts.memory >= 1 else reusing_freed_host_memory()
-    if reuse != reusing_freed_host_memory() and not _on_cuda(example_inputs):
-        reuse_freed_host_memory(reuse)
-    if opts.memory < 1 and not reuse and not _on_cuda(example_inputs):
+    cpu = not _on_cuda(example_inputs)
+    # reuse freed blocks at the default budget (speed); hand them back below it (memory)
+    host = opts.host_memory or ("reuse" if opts.memory >= 1 else "release")
+    if cpu and host != host_memory_mode():
+        set_host_memory(host)
+    if cpu and opts.memory < 1 and host == "release":
         _hint_huge_pages()
     # the partitioner reads the activation budget while the graph is compiled, right here
     with torch._functorch.config.patch(activation_memory_budget=opts.memory):

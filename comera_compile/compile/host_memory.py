@@ -1,4 +1,4 @@
-"""Keep freed host memory in the process for reuse, instead of handing it back to the OS.
+"""Keep freed host memory in the process for reuse, or hand it back to the OS at once.
 
 glibc's ``malloc`` serves every block above a threshold (128 KiB, rising to at most
 32 MiB) with its own ``mmap`` and unmaps it on ``free``. A training step on CPU allocates
@@ -10,7 +10,11 @@ over such a tensor).
 
 The price is resident memory: what the heap held at its peak stays resident, and heap
 fragmentation can add to the peak. So the compiled step reuses by default only with the
-default activation memory; ``memory="low"`` leaves the allocator as it is.
+default activation memory. ``memory="low"`` *releases* by default: glibc's initial
+thresholds (128 KiB) are set and its adaptive raising of them is off, so every freed block
+of 128 KiB or more is unmapped at once and the resident memory is what is live. glibc's
+own default sits between the two (it keeps blocks up to the largest size freed so far,
+and their fragments) and is slower than reuse at about the same peak.
 
 Compiling a graph allocates and frees temporary memory of its own:
 :func:`release_free_heap` hands the free pages back once a graph is compiled, so reuse
@@ -38,7 +42,9 @@ GLIBC_DEFAULT_MMAP_THRESHOLD = 128 * 1024
 GLIBC_DEFAULT_TRIM_THRESHOLD = 128 * 1024
 KEEP_ALL = 2**31 - 1  # mallopt takes an int: blocks up to 2 GiB come from the heap
 
-_state = {"reuse": False}
+HOST_MEMORY_MODES = ("reuse", "release")
+
+_state: dict[str, str | None] = {"mode": None}  # None: glibc's own adaptive thresholds
 
 
 @functools.cache
@@ -65,28 +71,40 @@ def _mallopt():
     return mallopt
 
 
-def reuse_freed_host_memory(enable: bool = True) -> bool:
-    """Make large freed host blocks stay in the heap for reuse. Process-wide. Returns False
-    where the C library is not glibc.
-
-    ``enable=False`` sets glibc's initial thresholds (128 KiB) again; glibc's own raising of
-    the mmap threshold as blocks are freed stays off after any ``mallopt`` call, so a process
-    that never enabled reuse should not call this (the backend does not)."""
+def set_host_memory(mode: str) -> bool:
+    """Process-wide: ``"reuse"`` keeps large freed blocks in the heap (no page faults when
+    the next step allocates them again, more resident memory); ``"release"`` unmaps every
+    freed block of 128 KiB or more at once (the least resident memory, a page fault per
+    page touched anew). Returns False where the C library is not glibc."""
+    if mode not in HOST_MEMORY_MODES:
+        raise ValueError(f"host memory mode must be one of {list(HOST_MEMORY_MODES)}, "
+                         f"got {mode!r}")
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    mmap = KEEP_ALL if enable else GLIBC_DEFAULT_MMAP_THRESHOLD
-    trim = KEEP_ALL if enable else GLIBC_DEFAULT_TRIM_THRESHOLD
+    mmap = KEEP_ALL if mode == "reuse" else GLIBC_DEFAULT_MMAP_THRESHOLD
+    trim = KEEP_ALL if mode == "reuse" else GLIBC_DEFAULT_TRIM_THRESHOLD
     ok = bool(mallopt(M_MMAP_THRESHOLD, mmap)) and bool(mallopt(M_TRIM_THRESHOLD, trim))
-    if ok and enable and not _state["reuse"]:
-        log.info("comera: freed host memory stays in the heap for reuse (host_memory='reuse')")
-    _state["reuse"] = ok and enable
+    if ok and mode != _state["mode"]:
+        what = "stays in the heap for reuse" if mode == "reuse" else "goes back to the OS at once"
+        log.info(f"comera: freed host memory {what} (host_memory={mode!r})")
+        _state["mode"] = mode
     return ok
 
 
+def host_memory_mode() -> str | None:
+    """The mode :func:`set_host_memory` set last; None while glibc's defaults are in effect."""
+    return _state["mode"]
+
+
+def reuse_freed_host_memory(enable: bool = True) -> bool:
+    """``set_host_memory("reuse")``, or ``"release"`` with ``enable=False``."""
+    return set_host_memory("reuse" if enable else "release")
+
+
 def reusing_freed_host_memory() -> bool:
-    """Whether :func:`reuse_freed_host_memory` is in effect."""
-    return _state["reuse"]
+    """Whether freed host memory is kept for reuse."""
+    return _state["mode"] == "reuse"
 
 
 def release_free_heap() -> bool:

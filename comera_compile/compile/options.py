@@ -34,9 +34,9 @@ class BackendOptions:
     activations in backward: about 3x less training memory than dense for more step time) or
     a budget in ``(0, 1]``, the fraction of activations kept. ``host_memory``: on CPU,
     ``"reuse"`` keeps freed blocks in the heap so each step's large activations are not
-    mapped and faulted in anew (``compile.host_memory``; process-wide), ``"release"`` undoes
-    that if an earlier graph set it, and otherwise leaves glibc's allocator alone (None:
-    reuse with the default memory budget, leave the allocator as it is with a lower one).
+    mapped and faulted in anew, ``"release"`` hands every freed block of 128 KiB or more
+    back to the OS at once (``compile.host_memory``; process-wide; None: reuse with the
+    default memory budget, release with a lower one).
     ``config``: inductor config patches."""
 
     cudagraphs: bool | None = None
