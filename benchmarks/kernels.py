@@ -7,11 +7,12 @@
    rows) at a rank as is and padded to ``planner.alignment.aligned_rank``; and the GFLOP/s
    of ``x @ B`` alone at the two widths.
 3. Inductor's generated CPU loops against aten's kernels for the same math on a
-   4096 x 3072 activation: GELU, GELU backward, and a sum over rows (a bias gradient).
+   4096 x 3072 activation: GELU, GELU backward, and a sum over rows (a bias gradient);
+   and inductor with ``compile.reductions``' row sums in blocks (the backend's CPU pass).
 4. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
-   six-encoder layer allocates at batch 32 x 128) with glibc's default allocator, which
-   maps each such block anew, and with ``compile.host_memory`` reuse; minor page faults per
-   call next to the time. Runs last: the reuse setting is process-wide.
+   six-encoder layer allocates at batch 32 x 128) with freed blocks released at once,
+   which maps each such block anew, and with ``compile.host_memory`` reuse; minor page
+   faults per call next to the time. Runs last: the setting is process-wide.
 
     python benchmarks/kernels.py              # one thread
     python benchmarks/kernels.py --threads 2
@@ -31,6 +32,7 @@ from _timing import median_seconds, table  # noqa: E402
 
 from comera_compile.compile.dropout import keep_mask  # noqa: E402
 from comera_compile.compile.host_memory import set_host_memory  # noqa: E402
+from comera_compile.compile.reductions import SplitRowSums  # noqa: E402
 from comera_compile.machine import describe_machine  # noqa: E402
 from comera_compile.planner.alignment import aligned_rank  # noqa: E402
 
@@ -97,8 +99,11 @@ def inductor_rows(repeats: int) -> list[list[str]]:
         aten_s = median_seconds(lambda fn=fn, args=args: fn(*args), repeats)
         compiled = torch.compile(fn, backend="inductor")
         inductor_s = median_seconds(lambda f=compiled, args=args: f(*args), repeats)
+        blocked = torch.compile(fn, backend="inductor",
+                                options={"post_grad_custom_pre_pass": SplitRowSums()})
+        blocked_s = median_seconds(lambda f=blocked, args=args: f(*args), repeats)
         rows.append([name, f"{aten_s * 1e3:.1f}", f"{inductor_s * 1e3:.1f}",
-                     f"{inductor_s / aten_s:.2f}x"])
+                     f"{inductor_s / aten_s:.2f}x", f"{blocked_s * 1e3:.1f}"])
     return rows
 
 
@@ -136,7 +141,8 @@ def main() -> None:
     print(table(gflops_rows(args.repeats), ["product", "GFLOP/s"]))
     print(f"\naten vs inductor on a {ROWS} x 3072 activation (ms, median; host memory reused):")
     set_host_memory("reuse")
-    print(table(inductor_rows(args.repeats), ["op", "aten", "inductor", "inductor/aten"]))
+    print(table(inductor_rows(args.repeats),
+                ["op", "aten", "inductor", "inductor/aten", "inductor, row sums in blocks"]))
     print(f"\nGELU(x) * 2 on a {ROWS} x 3072 activation, by host allocator (ms, median):")
     print(table(host_memory_rows(args.repeats),
                 ["allocator", "ms", "page faults per call", "speed-up"]))
