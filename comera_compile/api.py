@@ -118,8 +118,8 @@ def optimize(
     few contraction orders of each layer on first use; ``objective`` is the planner's cost
     (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes cheap
     activations in backward, keeps dropout masks as bits and, on CPU, hands freed host
-    memory back to the OS at once: for the six-encoder at batch 32 on a 2-core CPU, 4.0x
-    less training memory than dense for 80% more step time than the default compiled step
+    memory back to the OS at once: for the six-encoder at batch 32 on a 2-core CPU, 3.9x
+    less training memory than dense for 53% more step time than the default compiled step
     (README, "Compiled step"). ``host_memory`` (compiled models on CPU): ``"reuse"`` keeps
     freed host memory in the heap so each step's large activations are not faulted in
     anew, ``"release"`` unmaps freed blocks at once; None reuses unless ``memory="low"``.
