@@ -133,7 +133,7 @@ def _hint_huge_pages() -> None:
     log.info(
         "comera backend: memory='low' on CPU frees and maps its large activations every "
         "step; start the process with THP_MEM_ALLOC_ENABLE=1 (torch's huge pages) for fewer "
-        "page faults and a lower peak"
+        "page faults"
     )
 
 
