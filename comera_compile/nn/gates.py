@@ -20,7 +20,7 @@ def hard_threshold(gate: Tensor, threshold: float) -> Tensor:
     """The gate as the forward sees it: entries with ``|g| <= threshold`` become exactly 0.
 
     That is ``hardshrink``: one kernel forward and one backward (the gradient is zero
-    exactly where the entry is off), where abs / compare / where took five per gate.
+    exactly where the entry is off), where abs / compare / zeros / where took four.
     """
     return F.hardshrink(gate, threshold)
 
