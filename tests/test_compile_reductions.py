@@ -47,6 +47,7 @@ def test_row_sums_become_block_sums_with_the_same_values(shape, dims, keepdim):
         (lambda t: t.sum([0, 1]), torch.randn(4096, 64)),  # everything: a scalar
         (lambda t: t.t().sum([0]), torch.randn(64, 4096)),  # not contiguous
         (lambda t: t.sum([0]), torch.randint(0, 9, (4096, 8))),  # integers
+        (lambda t: t.sum([0]), torch.randn(4096, 8, dtype=torch.bfloat16)),  # bf16 partials
         (lambda t: t.sum([0]), torch.randn(1030, 8)),  # no block of 16, 32 or 64 divides
     ],
 )

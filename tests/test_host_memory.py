@@ -11,29 +11,28 @@ import torch
 import comera_compile.compile as cc
 from comera_compile.compile.host_memory import (
     host_memory_mode,
-    reuse_freed_host_memory,
     reusing_freed_host_memory,
     set_host_memory,
 )
 from comera_compile.nn import TTLinear
 
 glibc_only = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not reuse_freed_host_memory(False),
+    not sys.platform.startswith("linux") or not set_host_memory("release"),
     reason="mallopt needs glibc",
 )
 
 
 @pytest.fixture(autouse=True)
 def _allocator_restored():
-    before = reusing_freed_host_memory()
+    before = host_memory_mode()
     yield
-    reuse_freed_host_memory(before)
+    set_host_memory(before or "release")
     torch._dynamo.reset()
 
 
 FAULTS = """
 import resource, torch
-from comera_compile.compile.host_memory import reuse_freed_host_memory
+from comera_compile.compile.host_memory import set_host_memory
 
 def faults_per_step(steps=4):
     # minor page faults per 'step' that allocates, touches and frees an 8 MiB tensor
@@ -43,9 +42,9 @@ def faults_per_step(steps=4):
         torch.ones(2 * 2**20)
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / steps
 
-assert reuse_freed_host_memory(False)
+assert set_host_memory("release")
 fresh = faults_per_step()
-assert reuse_freed_host_memory(True)
+assert set_host_memory("reuse")
 # glibc now and then faults part of a reused heap block in again: the best of three rounds
 print(fresh, min(faults_per_step() for _ in range(3)))
 """
@@ -63,13 +62,13 @@ def test_reuse_removes_the_page_faults_of_a_repeated_large_allocation():
 
 RELEASE = """
 import torch
-from comera_compile.compile.host_memory import release_free_heap, reuse_freed_host_memory
+from comera_compile.compile.host_memory import release_free_heap, set_host_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 
-assert reuse_freed_host_memory(True)
+assert set_host_memory("reuse")
 start = rss_mb()
 blocks = [torch.ones(2**18) for _ in range(200)]  # 200 MiB of 1 MiB blocks, touched
 del blocks
@@ -164,7 +163,7 @@ def test_low_memory_on_cpu_hints_huge_pages_once(monkeypatch, caplog):
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.setattr(backend, "_hinted_huge_pages", False)
-    reuse_freed_host_memory(False)
+    set_host_memory("release")
     model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
     with caplog.at_level(logging.INFO, logger="comera_compile"):
         for width in (4, 5):  # two graphs, one hint

@@ -97,11 +97,6 @@ def host_memory_mode() -> str | None:
     return _state["mode"]
 
 
-def reuse_freed_host_memory(enable: bool = True) -> bool:
-    """``set_host_memory("reuse")``, or ``"release"`` with ``enable=False``."""
-    return set_host_memory("reuse" if enable else "release")
-
-
 def reusing_freed_host_memory() -> bool:
     """Whether freed host memory is kept for reuse."""
     return _state["mode"] == "reuse"

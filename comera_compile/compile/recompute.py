@@ -22,6 +22,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
+from comera_compile.compile.graph_nodes import call_with_value
+
 
 def is_random(node: fx.Node) -> bool:
     """Whether ``node`` draws from a random generator (dropout, rand_like, bernoulli, ...)."""
@@ -60,15 +62,6 @@ aten = torch.ops.aten
 BITS = 8
 
 
-def _call(graph: fx.Graph, mode, target, *args, **kwargs) -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` with its fake value (the partitioner sizes nodes
-    by their ``val``)."""
-    node = graph.call_function(target, args, kwargs)
-    with mode:
-        node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]), **kwargs)
-    return node
-
-
 def _packable(node: fx.Node) -> bool:
     value = node.meta.get("val")
     return (node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
@@ -91,8 +84,9 @@ def pack_saved_masks(graph: fx.Graph) -> int:
         value, readers = mask.meta["val"], list(mask.users)
         mode, numel, groups = value.fake_mode, value.numel(), -(-value.numel() // BITS)
         with graph.inserting_before(min(readers, key=order.__getitem__)):
-            shifts = _call(graph, mode, torch.ops.prims.iota.default, BITS, start=0, step=1,
-                           dtype=torch.uint8, device=value.device, requires_grad=False)
+            shifts = call_with_value(graph, mode, torch.ops.prims.iota.default, BITS, start=0,
+                                     step=1, dtype=torch.uint8, device=value.device,
+                                     requires_grad=False)
             packed = mask
             for target, *args in (
                 (aten.view.default, [numel]),
@@ -103,8 +97,8 @@ def pack_saved_masks(graph: fx.Graph) -> int:
                 (aten.sum.dim_IntList, [1]),
             ):
                 kwargs = {"dtype": torch.uint8} if target is aten.sum.dim_IntList else {}
-                packed = _call(graph, mode, target, packed, *args, **kwargs)
-            unpacked = [_call(graph, mode, aten.unsqueeze.default, packed, 1)]
+                packed = call_with_value(graph, mode, target, packed, *args, **kwargs)
+            unpacked = [call_with_value(graph, mode, aten.unsqueeze.default, packed, 1)]
             for target, *args in (
                 (aten.bitwise_right_shift.Tensor, shifts),
                 (aten.bitwise_and.Scalar, 1),
@@ -113,7 +107,7 @@ def pack_saved_masks(graph: fx.Graph) -> int:
                 (aten.view.default, list(value.shape)),
                 (aten.ne.Scalar, 0),
             ):
-                unpacked.append(_call(graph, mode, target, unpacked[-1], *args))
+                unpacked.append(call_with_value(graph, mode, target, unpacked[-1], *args))
         for reader in readers:
             reader.replace_input_with(mask, unpacked[-1])
         del mask.meta["recompute"]

@@ -20,11 +20,15 @@ from pathlib import Path
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensor
+
+from comera_compile.compile.graph_nodes import call_with_value
 
 aten = torch.ops.aten
 
 BLOCKS = (64, 32, 16)  # rows per block, the first that divides the row count
 MIN_ROWS = 1024  # below this the one-pass walk stays in cache
+EXACT_DTYPES = (torch.float32, torch.float64)  # partial sums kept at the sum's precision
 
 
 def split_row_sums(graph: fx.Graph, min_rows: int = MIN_ROWS) -> int:
@@ -39,12 +43,13 @@ def split_row_sums(graph: fx.Graph, min_rows: int = MIN_ROWS) -> int:
         if plan is None:
             continue
         source, blocked, out_shape = plan
+        mode = source.meta["val"].fake_mode
         with graph.inserting_before(node):
-            view = _call(graph, aten.view.default, (source, blocked))
-            partial = _call(graph, aten.sum.dim_IntList, (view, [1]))
-            total = _call(graph, aten.sum.dim_IntList, (partial, [0]))
+            view = call_with_value(graph, mode, aten.view.default, source, blocked)
+            partial = call_with_value(graph, mode, aten.sum.dim_IntList, view, [1])
+            total = call_with_value(graph, mode, aten.sum.dim_IntList, partial, [0])
             if list(total.meta["val"].shape) != out_shape:  # keepdim=True: ones in front
-                total = _call(graph, aten.view.default, (total, out_shape))
+                total = call_with_value(graph, mode, aten.view.default, total, out_shape)
         node.replace_all_uses_with(total)
         graph.erase_node(node)
         rewritten += 1
@@ -58,10 +63,10 @@ def _blocked_shape(node: fx.Node, min_rows: int):
     if node.kwargs.get("dtype") is not None or not isinstance(source, fx.Node):
         return None
     val, out = source.meta.get("val"), node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or val.dim() < 2:
+    if not isinstance(val, FakeTensor) or not isinstance(out, torch.Tensor) or val.dim() < 2:
         return None
-    if not val.dtype.is_floating_point or not dims:
-        return None
+    if val.dtype not in EXACT_DTYPES or not dims:
+        return None  # in bf16 / fp16 the partial sums would be rounded before the second sum
     shape = list(val.shape)
     if not all(isinstance(s, int) for s in shape) or not val.is_contiguous():
         return None  # symbolic shapes (a dynamic batch) keep inductor's own loop
@@ -73,14 +78,6 @@ def _blocked_shape(node: fx.Node, min_rows: int):
     if rows < min_rows or block is None:
         return None
     return source, [rows // block, block, *rest], list(out.shape)
-
-
-def _call(graph: fx.Graph, target, args) -> fx.Node:
-    """A new node with its fake value, computed from its inputs' fake values."""
-    node = graph.call_function(target, args)
-    fake_args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    node.meta["val"] = target(*fake_args)
-    return node
 
 
 class SplitRowSums(CustomGraphPass):
