@@ -1,4 +1,4 @@
-"""Shapes under the ``comera`` backend: one graph per plan bucket (not per batch size), one
+"""Shapes under the ``comera`` backend: one graph per plan region (not per batch size), one
 recompile per prune, ranks rounded to aligned sizes, autotuning on real tensors."""
 
 import pytest
@@ -11,6 +11,7 @@ from comera_compile.compile.backend import comera_backend
 from comera_compile.nn import TTLinear, TTMLinear
 from comera_compile.planner import clear_memory_cache, planning
 from comera_compile.planner.ops import row_bucket
+from comera_compile.planner.regions import guard_to_region, region_of
 
 
 @pytest.fixture(autouse=True)
@@ -42,16 +43,52 @@ def test_row_bucket_is_the_next_power_of_two():
     ]
 
 
-def test_eight_batch_sizes_compile_at_most_four_graphs():
+def test_a_region_is_the_run_of_buckets_with_one_program():
+    def program_at(bucket):  # the order changes at 8 and at 512 rows
+        return "small" if bucket < 8 else "middle" if bucket < 512 else "large"
+
+    assert region_of(program_at, 1) == (1, 4)
+    assert region_of(program_at, 4) == (1, 4)
+    assert region_of(program_at, 64) == (8, 256)
+    assert region_of(program_at, 512) == (512, None)  # no upper bound
+    assert region_of(lambda b: "same", 32) == (1, None)
+    guard_to_region(5, 8, 256)  # 4 < 5 <= 256: bucket 8
+    guard_to_region(256, 8, 256)
+    guard_to_region(10**9, 512, None)
+    for rows in (4, 257):
+        with pytest.raises(AssertionError, match="outside the plan region"):
+            guard_to_region(rows, 8, 256)
+
+
+def test_eight_batch_sizes_over_eight_buckets_compile_two_graphs():
     model = mlp()
     backend = CountingBackend()
     compiled = torch.compile(model, backend=backend)
-    for batch in range(1, 9):  # 16..128 rows: buckets 16, 32, 64, 128
+    for batch in (1, 2, 3, 5, 8, 16, 40, 128):  # 16..2048 rows: eight buckets, one region
         x = torch.randn(batch, 16, 64)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    assert backend.graphs == 4
-    buckets = {k[4] for k in cc.traced_plans() if k[1:3] == ((8, 8), (6, 8))}
-    assert {16, 32, 64, 128} <= buckets
+    assert backend.graphs == 2  # the first size static, then one symbolic graph for all
+    orders = {plan.order_expression() for k, plan in cc.traced_plans().items()
+              if k[1:3] == ((8, 8), (6, 8)) and k[4] >= 16}  # (the dict spans the session)
+    assert orders == {"(x . (G1 . G2)) . (G3 . G4)"}
+
+
+def test_a_batch_that_needs_another_program_compiles_another_graph():
+    model = mlp()  # TTLinear's order changes at 8 and at 16 rows
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    graphs = []
+    for rows in (32, 64, 4, 8, 48, 3, 1000):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        graphs.append(backend.graphs)
+    # 32 static; 64 symbolic (16+ rows); 4 (1-4 rows); 8 (8 rows); 48, 3, 1000 reuse
+    assert graphs == [1, 2, 3, 4, 4, 4, 4]
+    orders = {k[4]: plan.order_expression() for k, plan in cc.traced_plans().items()
+              if k[1:3] == ((8, 8), (6, 8))}
+    assert orders[4] == "(((x . G1) . G2) . G3) . G4"
+    assert orders[8] == "((x . (G1 . G2)) . G3) . G4"
+    assert orders[64] == "(x . (G1 . G2)) . (G3 . G4)"
 
 
 def test_a_prune_recompiles_once_and_keeps_outputs():
@@ -113,3 +150,27 @@ def test_autotune_under_compile_times_real_tensors(monkeypatch):
     plans = [p for k, p in cc.traced_plans().items() if k[1] == (4, 8, 8) and k[4] == 64]
     assert plans and all(p.autotuned for p in plans)
     clear_memory_cache()
+
+
+def test_dropout_in_train_mode_keeps_the_batch_symbolic_under_inductor():
+    """The CPU dropout's random words are laid out per row, so the mask adds no guard
+    on the batch size: sizes 1..128 x 16 compile two graphs, as without dropout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        TTLinear(64, 48, ranks=4), nn.Dropout(0.25), nn.GELU(), TTMLinear(48, 40, ranks=3)
+    ).train()
+    graphs = []
+
+    def counting(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return comera_backend(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting)
+    for batch in (1, 2, 3, 5, 8, 16, 40, 128):
+        x = torch.randn(batch, 16, 64, requires_grad=True)
+        out = compiled(x)
+        out.sum().backward()
+        assert out.shape == (batch, 16, 40) and torch.isfinite(x.grad).all()
+    assert len(graphs) == 2
+    x = torch.randn(40, 16, 64)
+    assert not torch.equal(compiled(x), compiled(x))  # dropout is on: new masks each call

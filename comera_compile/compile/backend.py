@@ -11,10 +11,10 @@ holds one recognisable node per tensorized layer. The backend
 2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
    so the plans picked while lowering use them);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
-   plan's pairwise program for the rows' bucket (a symbolic batch is guarded to its bucket,
-   so one graph serves every batch size in it), inductor fuses it with the rest of the
-   model and, on CUDA, runs it under CUDA Graph trees; a new bucket or a pruned rank is a
-   new graph, hence a new recording.
+   plan's pairwise program for the rows' bucket (a symbolic batch is guarded to the
+   region of buckets with the same program, so one graph serves every batch size in it),
+   inductor fuses it with the rest of the model and, on CUDA, runs it under CUDA Graph
+   trees; a new region or a pruned rank is a new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
    costs more CPU time there (558 vs 446 ms per step of a 2-layer six-encoder at batch
    8, one thread), and draws dropout masks from 15-bit numbers (``compile.dropout``):

@@ -38,11 +38,21 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
     """A boolean mask whose elements are True with probability ``1 - round(p*2^15)/2^15``.
 
     Element ``i`` reads lane ``i`` of the words viewed as int16, so the compare runs in
-    the same vectorized loop as the ops around it (no division to find a lane)."""
-    numel = shape.numel()
-    words = torch.empty((numel + LANES - 1) // LANES, dtype=torch.int64, device=device)
+    the same vectorized loop as the ops around it (no division to find a lane). The words
+    are laid out along the last dimension only (``ceil(last / 4)`` words per row), so a
+    symbolic batch dimension stays symbolic: no arithmetic on the element count, no
+    shape guard that would pin the graph to one batch size."""
+    if len(shape) == 0:
+        return keep_mask(torch.Size([1]), p, device).reshape(())
+    *lead, last = shape
+    if not isinstance(last, int):  # a symbolic last dimension: one 15-bit draw per element
+        draws = aten.random.default(torch.empty(shape, dtype=torch.int16, device=device))
+        return draws >= round(p * LEVELS)
+    words = torch.empty((*lead, -(-last // LANES)), dtype=torch.int64, device=device)
     words = aten.random.default(words)  # uniform in [0, 2^63): 15 uniform bits per lane
-    draws = words.view(torch.int16)[:numel].view(shape)
+    draws = words.view(torch.int16)
+    if draws.shape[-1] != last:
+        draws = draws[..., :last]
     return torch.bitwise_and(draws, LEVELS - 1) >= round(p * LEVELS)
 
 

@@ -19,10 +19,11 @@ def compile_model(
 
     ``dynamic=None`` (torch's automatic dynamic shapes): the first batch size compiles a
     static graph; when another one arrives, the batch dimension turns symbolic and the
-    tensorized ops guard it to its plan bucket (the next power of two of the rows), so there
-    is one graph per bucket, not one per batch size. Options are checked here, before the
-    first call, so a typo fails at once rather than on the first forward. ``in_place=True``
-    compiles with ``model.compile`` and returns ``model`` itself (its class is kept).
+    tensorized ops guard it to its plan region (the power-of-two buckets of the rows whose
+    plans are one program), so there is one graph per region, not one per batch size.
+    Options are checked here, before the first call, so a typo fails at once rather than
+    on the first forward. ``in_place=True`` compiles with ``model.compile`` and returns
+    ``model`` itself (its class is kept).
     ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.

@@ -43,13 +43,14 @@ def pad_bonds(cores: Sequence[Tensor], rows: int | torch.SymInt) -> list[Tensor]
     :func:`aligned_rank` (the boundary bonds of size 1 stay) when the contraction runs
     over more than ``MIN_ROWS`` rows; as they are otherwise."""
     cores = list(cores)
-    if rows <= MIN_ROWS:
+    extras = [aligned_rank(c.shape[0], c.device.type) - c.shape[0] for c in cores[1:]]
+    # compare the rows only where a bond would be padded: on a symbolic count the
+    # comparison is a shape guard, and a graph with nothing to pad needs none
+    if not any(extras) or rows <= MIN_ROWS:
         return cores
-    for k in range(1, len(cores)):
-        left, right = cores[k - 1], cores[k]
-        rank = right.shape[0]
-        extra = aligned_rank(rank, right.device.type) - rank
+    for k, extra in enumerate(extras, start=1):
         if extra:
+            left, right = cores[k - 1], cores[k]
             cores[k - 1] = F.pad(left, (0, extra))  # last dim of the left core
             cores[k] = F.pad(right, (0, 0) * (right.dim() - 1) + (0, extra))  # first dim
     return cores

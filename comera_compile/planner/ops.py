@@ -9,9 +9,11 @@ backend finds and tunes them there); AOT autograd then decomposes the op's
 inductor fuses and differentiates like any other code.
 
 Shapes: the body looks its plan up by the *bucket* of the row count (the next power of
-two), never by the exact count. With a symbolic (dynamic) batch dimension the bucket is
-found by comparisons, each of which becomes a shape guard, so one graph serves every row
-count of its bucket and a new graph is compiled only when a batch leaves it.
+two), never by the exact count. With a symbolic (dynamic) batch dimension the rows are
+guarded to the plan's *region* (``planner.regions``): the neighbouring buckets whose plans
+are the same program. So one graph serves every row count of its region, and a new graph
+is compiled only when a batch needs another program. With ``autotune`` (timed plans) the
+region is the bucket itself.
 
 These live in the planner, below the layers, so the layers call them directly: nothing
 above patches anything below.
@@ -30,6 +32,7 @@ from .cache import get_plan
 from .embedding import embedding_plan
 from .host import capturing
 from .networks import tt_linear_network, ttm_linear_network
+from .regions import guard_to_region, region_of
 
 _NETWORKS = {"tt": tt_linear_network, "lowrank": tt_linear_network, "ttm": ttm_linear_network}
 
@@ -79,11 +82,40 @@ def _real_tensors():
         yield
 
 
+def _hint(rows: int | torch.SymInt) -> int | None:
+    """The concrete value behind a symbolic row count, read without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    try:
+        return optimization_hint(rows)
+    except Exception:  # an unbacked count has no value to read
+        return None
+
+
+def _region_bucket(rows: int | torch.SymInt, program_at) -> int:
+    """The bucket whose plan runs ``rows``. A symbolic count is guarded to the whole region
+    of buckets with that bucket's program (``program_at(bucket)``), not to the bucket."""
+    hint = _hint(rows) if isinstance(rows, torch.SymInt) else None
+    if hint is None:
+        return row_bucket(rows)
+    bucket = row_bucket(hint)
+    guard_to_region(rows, *region_of(program_at, bucket))
+    return bucket
+
+
 def _tt_contract(x, cores, kind, in_modes, out_modes, objective, autotune):
-    bucket = row_bucket(x.shape[0])
     ranks = _bond_ranks(cores)
-    network = _NETWORKS[kind](tuple(in_modes), tuple(out_modes), ranks, bucket)
     autotune = bool(autotune) and not capturing()  # timing would sync inside a capture
+    new_network = _NETWORKS[kind]
+
+    def program_at(bucket: int) -> tuple:
+        plan = get_plan(new_network(tuple(in_modes), tuple(out_modes), ranks, bucket),
+                        dtype=x.dtype, device_type=x.device.type, objective=objective)
+        return plan.equation, tuple(map(tuple, plan.path))
+
+    rows = x.shape[0]
+    bucket = row_bucket(rows) if autotune else _region_bucket(rows, program_at)
+    network = new_network(tuple(in_modes), tuple(out_modes), ranks, bucket)
     context = _real_tensors() if autotune else contextlib.nullcontext()
     with context:
         plan = get_plan(
@@ -99,8 +131,12 @@ def _tt_contract(x, cores, kind, in_modes, out_modes, objective, autotune):
 
 
 def _tt_lookup(ids, cores, row_modes, col_modes):
-    bucket = row_bucket(ids.shape[0])
     ranks = _bond_ranks(cores)
+
+    def program_at(bucket: int) -> int:
+        return embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket).split
+
+    bucket = _region_bucket(ids.shape[0], program_at)
     plan = embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket)
     key = ("tt_embedding", tuple(row_modes), tuple(col_modes), tuple(ranks), bucket)
     _plans[(*key, cores[0].dtype, ids.device.type, plan.objective)] = plan
