@@ -10,7 +10,10 @@ import comera_compile.compile as cc
 from comera_compile.compile.backend import comera_backend
 from comera_compile.nn import TTLinear, TTMLinear
 from comera_compile.planner import clear_memory_cache, planning
+from comera_compile.planner.cache import get_plan
+from comera_compile.planner.networks import tt_linear_network
 from comera_compile.planner.ops import row_bucket
+from comera_compile.planner.protocol import RowCost
 from comera_compile.planner.regions import guard_to_region, region_of
 
 
@@ -43,15 +46,28 @@ def test_row_bucket_is_the_next_power_of_two():
     ]
 
 
-def test_a_region_is_the_run_of_buckets_with_one_program():
-    def program_at(bucket):  # the order changes at 8 and at 512 rows
-        return "small" if bucket < 8 else "middle" if bucket < 512 else "large"
+class LinearCostPlan:
+    """A plan whose cost at ``rows`` is ``per_row * rows + fixed``."""
 
-    assert region_of(program_at, 1) == (1, 4)
-    assert region_of(program_at, 4) == (1, 4)
-    assert region_of(program_at, 64) == (8, 256)
-    assert region_of(program_at, 512) == (512, None)  # no upper bound
-    assert region_of(lambda b: "same", 32) == (1, None)
+    def __init__(self, per_row: float, fixed: float) -> None:
+        self.per_row, self.fixed = per_row, fixed
+
+    def cost_at(self, rows: int):
+        return RowCost(0, 0, self.per_row * rows + self.fixed, {})
+
+
+def test_a_region_is_the_run_of_buckets_its_plan_serves_within_the_slack():
+    weights_first, rows_first = LinearCostPlan(10, 0), LinearCostPlan(1, 200)
+
+    def plan_at(bucket):  # the cheaper one: weights first up to 16 rows, then rows first
+        return min(weights_first, rows_first, key=lambda p: p.cost_at(bucket).cost)
+
+    assert region_of(plan_at, 4, slack=0.1) == (1, 16)
+    assert region_of(plan_at, 16, slack=0.1) == (1, 16)
+    assert region_of(plan_at, 64, slack=0.1) == (32, None)  # no upper bound
+    # with 50% slack each plan also serves the first bucket past the switch (320 <= 348)
+    assert region_of(plan_at, 16, slack=0.5) == (1, 32)
+    assert region_of(plan_at, 64, slack=0.5) == (16, None)
     guard_to_region(5, 8, 256)  # 4 < 5 <= 256: bucket 8
     guard_to_region(256, 8, 256)
     guard_to_region(10**9, 512, None)
@@ -74,7 +90,7 @@ def test_eight_batch_sizes_over_eight_buckets_compile_two_graphs():
 
 
 def test_a_batch_that_needs_another_program_compiles_another_graph():
-    model = mlp()  # TTLinear's order changes at 8 and at 16 rows
+    model = mlp()  # TTLinear: weights first up to 8 rows, rows first from 8 rows on
     backend = CountingBackend()
     compiled = torch.compile(model, backend=backend)
     graphs = []
@@ -82,13 +98,17 @@ def test_a_batch_that_needs_another_program_compiles_another_graph():
         x = torch.randn(rows, 64)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
         graphs.append(backend.graphs)
-    # 32 static; 64 symbolic (16+ rows); 4 (1-4 rows); 8 (8 rows); 48, 3, 1000 reuse
-    assert graphs == [1, 2, 3, 4, 4, 4, 4]
-    orders = {k[4]: plan.order_expression() for k, plan in cc.traced_plans().items()
-              if k[1:3] == ((8, 8), (6, 8))}
-    assert orders[4] == "(((x . G1) . G2) . G3) . G4"
-    assert orders[8] == "((x . (G1 . G2)) . G3) . G4"
-    assert orders[64] == "(x . (G1 . G2)) . (G3 . G4)"
+    # 32 static; 64 symbolic (its plan serves 5+ rows within the slack); 4 (1-4 rows);
+    # then 8, 48, 3 and 1000 rows reuse those
+    assert graphs == [1, 2, 3, 3, 3, 3, 3]
+    plans = {k[4]: plan for k, plan in cc.traced_plans().items() if k[1:3] == ((8, 8), (6, 8))}
+    assert plans[4].order_expression() == "(((x . G1) . G2) . G3) . G4"
+    assert plans[64].order_expression() == "(x . (G1 . G2)) . (G3 . G4)"
+    # 8 rows ran the 64-row plan: another order, within 10% of the 8-row bucket's best
+    best_8 = get_plan(tt_linear_network((8, 8), (6, 8), [1, 4, 4, 4, 1], 8),
+                      dtype=torch.float32, device_type="cpu")
+    assert best_8.order_expression() != plans[64].order_expression()
+    assert plans[64].cost_at(8).cost <= 1.1 * best_8.cost_at(8).cost
 
 
 def test_a_prune_recompiles_once_and_keeps_outputs():

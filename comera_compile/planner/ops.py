@@ -10,10 +10,10 @@ inductor fuses and differentiates like any other code.
 
 Shapes: the body looks its plan up by the *bucket* of the row count (the next power of
 two), never by the exact count. With a symbolic (dynamic) batch dimension the rows are
-guarded to the plan's *region* (``planner.regions``): the neighbouring buckets whose plans
-are the same program. So one graph serves every row count of its region, and a new graph
-is compiled only when a batch needs another program. With ``autotune`` (timed plans) the
-region is the bucket itself.
+guarded to the plan's *region* (``planner.regions``): the neighbouring buckets that this
+bucket's plan serves within ``SLACK`` of their own best cost. So one graph serves every
+row count of its region, and a new graph is compiled only when a batch needs another
+program. With ``autotune`` (timed plans) the region is the bucket itself.
 
 These live in the planner, below the layers, so the layers call them directly: nothing
 above patches anything below.
@@ -92,14 +92,14 @@ def _hint(rows: int | torch.SymInt) -> int | None:
         return None
 
 
-def _region_bucket(rows: int | torch.SymInt, program_at) -> int:
+def _region_bucket(rows: int | torch.SymInt, plan_at) -> int:
     """The bucket whose plan runs ``rows``. A symbolic count is guarded to the whole region
-    of buckets with that bucket's program (``program_at(bucket)``), not to the bucket."""
+    that bucket's plan serves (``planner.regions``), not to the bucket."""
     hint = _hint(rows) if isinstance(rows, torch.SymInt) else None
     if hint is None:
         return row_bucket(rows)
     bucket = row_bucket(hint)
-    guard_to_region(rows, *region_of(program_at, bucket))
+    guard_to_region(rows, *region_of(plan_at, bucket))
     return bucket
 
 
@@ -108,13 +108,12 @@ def _tt_contract(x, cores, kind, in_modes, out_modes, objective, autotune):
     autotune = bool(autotune) and not capturing()  # timing would sync inside a capture
     new_network = _NETWORKS[kind]
 
-    def program_at(bucket: int) -> tuple:
-        plan = get_plan(new_network(tuple(in_modes), tuple(out_modes), ranks, bucket),
+    def plan_at(bucket: int):
+        return get_plan(new_network(tuple(in_modes), tuple(out_modes), ranks, bucket),
                         dtype=x.dtype, device_type=x.device.type, objective=objective)
-        return plan.equation, tuple(map(tuple, plan.path))
 
     rows = x.shape[0]
-    bucket = row_bucket(rows) if autotune else _region_bucket(rows, program_at)
+    bucket = row_bucket(rows) if autotune else _region_bucket(rows, plan_at)
     network = new_network(tuple(in_modes), tuple(out_modes), ranks, bucket)
     context = _real_tensors() if autotune else contextlib.nullcontext()
     with context:
@@ -133,10 +132,10 @@ def _tt_contract(x, cores, kind, in_modes, out_modes, objective, autotune):
 def _tt_lookup(ids, cores, row_modes, col_modes):
     ranks = _bond_ranks(cores)
 
-    def program_at(bucket: int) -> int:
-        return embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket).split
+    def plan_at(bucket: int):
+        return embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket)
 
-    bucket = _region_bucket(ids.shape[0], program_at)
+    bucket = _region_bucket(ids.shape[0], plan_at)
     plan = embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket)
     key = ("tt_embedding", tuple(row_modes), tuple(col_modes), tuple(ranks), bucket)
     _plans[(*key, cores[0].dtype, ids.device.type, plan.objective)] = plan

@@ -1,12 +1,13 @@
-"""Plan regions: the row counts over which a contraction keeps one program.
+"""Plan regions: the row counts one compiled graph serves with one contraction program.
 
 A compiled graph serves every row count its shape guards admit. Plans are found per
 power-of-two bucket of the rows, but a TT chain's best order changes only a few times over
-all row counts: the cores merge first while the rows are few, the rows run through the
-chain once they dominate (for the six-encoder's layers the last change is at 128 to 512
-rows). So a symbolic row count is guarded to its *region*, the run of neighbouring buckets
-whose plans are the same program, and batch sizes 8 to 4,096 share one graph where they
-would have compiled one per bucket.
+all row counts (the cores merge first while the rows are few, the rows run through the
+chain once they dominate), and near a change the two orders cost about the same. So a
+symbolic row count is guarded to its *region*: the run of neighbouring buckets where the
+plan of the rows' own bucket costs at most ``SLACK`` more than each bucket's best plan.
+Batch sizes 8 to 4,096 then share one graph where they would have compiled one per bucket,
+and no batch runs a contraction more than ``1 + SLACK`` times its best cost.
 
 Finding a region plans the neighbouring buckets (cached, a few milliseconds each), out to
 ``MAX_BUCKET`` rows; a region that reaches it has no upper bound.
@@ -14,23 +15,31 @@ Finding a region plans the neighbouring buckets (cached, a few milliseconds each
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 MAX_BUCKET = 1 << 24  # beyond it the costs only scale with the rows: the plan stays
+SLACK = 0.1  # a region's plan may cost this much more than a bucket's own best plan
 
 
-def region_of(program_at: Callable[[int], Hashable], bucket: int) -> tuple[int, int | None]:
-    """``(low, high)``: the widest run of power-of-two buckets around ``bucket`` whose
-    ``program_at(b)`` equals ``bucket``'s; ``high`` is None when the run reaches
-    ``MAX_BUCKET`` (no upper bound)."""
-    program = program_at(bucket)
+def region_of(
+    plan_at: Callable[[int], Any], bucket: int, slack: float = SLACK
+) -> tuple[int, int | None]:
+    """``(low, high)``: the widest run of power-of-two buckets around ``bucket`` where
+    ``plan_at(bucket)`` costs at most ``1 + slack`` times ``plan_at(b)`` (plans with a
+    ``cost_at(rows).cost``); ``high`` is None when the run reaches ``MAX_BUCKET``."""
+    plan = plan_at(bucket)
+
+    def serves(b: int) -> bool:
+        return plan.cost_at(b).cost <= (1 + slack) * plan_at(b).cost_at(b).cost
+
     low = bucket
-    while low > 1 and program_at(low // 2) == program:
+    while low > 1 and serves(low // 2):
         low //= 2
     high = bucket
-    while high < MAX_BUCKET and program_at(high * 2) == program:
+    while high < MAX_BUCKET and serves(high * 2):
         high *= 2
     return low, None if high >= MAX_BUCKET else high
 
