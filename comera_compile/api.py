@@ -108,9 +108,10 @@ def optimize(
     the forward: layers it never calls stay dense, and flops budgets become possible.
     ``init="dense"`` starts from a TT-SVD of the current weights (for pretrained models);
     ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
-    ``compile=True`` (the default) compiles the result in place with
-    ``Module.compile(backend="comera")`` (on the first call, one graph per batch-size bucket
-    and per rank change; the class is kept); ``compile=False`` returns the eager module.
+    ``compile=True`` (the default) compiles the result in place, as
+    ``Module.compile(backend="comera")`` does (the whole model as one graph, compiled on
+    the first call; then one graph per plan region of the batch size and per rank change;
+    the class is kept); ``compile=False`` returns the eager module.
     ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:

@@ -1,6 +1,8 @@
 """Shapes under the ``comera`` backend: one graph per plan region (not per batch size), one
 recompile per prune, ranks rounded to aligned sizes, autotuning on real tensors."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -194,3 +196,24 @@ def test_dropout_in_train_mode_keeps_the_batch_symbolic_under_inductor():
     assert len(graphs) == 2
     x = torch.randn(40, 16, 64)
     assert not torch.equal(compiled(x), compiled(x))  # dropout is on: new masks each call
+
+
+def test_in_place_compile_of_a_torch_module_is_one_graph_not_one_per_layer():
+    """``nn.TransformerEncoder.forward`` lives in torch's own files, which dynamo does not
+    start tracing from: the in-place compile enters through a frame of ours instead."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    for block in model.layers:  # two TT shapes: compiled one by one, each a graph family
+        block.linear1 = TTLinear(64, 128, ranks=4)
+        block.linear2 = TTLinear(128, 64, ranks=4)
+    eager = copy.deepcopy(model)
+    counters.clear()
+    compiled = cc.compile_model(model, in_place=True, inductor=False)
+    assert compiled is model and type(model) is nn.TransformerEncoder
+    for batch in (2, 3, 5, 9):
+        x = torch.randn(batch, 8, 64)
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2  # batch 2 static, then one symbolic

@@ -32,7 +32,22 @@ def compile_model(
     # every prune and every new batch size is one more graph: leave room for a training run
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-    if in_place:  # nn.Module.compile: the model keeps its class, attributes and methods
-        model.compile(backend="comera", dynamic=dynamic, options=options or None)
+    if in_place:  # as nn.Module.compile: the model keeps its class, attributes and methods
+        model._compiled_call_impl = torch.compile(
+            _entry(model), backend="comera", dynamic=dynamic, options=options or None
+        )
         return model
     return torch.compile(model, backend="comera", dynamic=dynamic, options=options or None)
+
+
+def _entry(model: nn.Module):
+    """The frame an in-place compile starts tracing from. ``nn.Module.compile`` compiles
+    ``_call_impl`` itself, a frame in torch's own files, which dynamo skips: it then starts
+    at the model's ``forward``, and when that too is torch's (``nn.TransformerEncoder``), at
+    each submodule of ours separately, one graph (and its recompiles) per layer. This
+    frame is ours, so dynamo traces the whole call, torch's modules inlined, as one graph."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return model._call_impl(*args, **kwargs)
+
+    return call
