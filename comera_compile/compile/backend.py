@@ -12,7 +12,7 @@ holds one recognisable node per tensorized layer. The backend
    so the plans picked while lowering use them);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
    plan's pairwise program for the rows' bucket (a symbolic batch is guarded to the
-   region of buckets with the same program, so one graph serves every batch size in it),
+   region of buckets that one plan serves, so one graph serves every batch size in it),
    inductor fuses it with the rest of the model and, on CUDA, runs it under CUDA Graph
    trees; a new region or a pruned rank is a new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout

@@ -19,11 +19,12 @@ def compile_model(
 
     ``dynamic=None`` (torch's automatic dynamic shapes): the first batch size compiles a
     static graph; when another one arrives, the batch dimension turns symbolic and the
-    tensorized ops guard it to its plan region (the power-of-two buckets of the rows whose
-    plans are one program), so there is one graph per region, not one per batch size.
-    Options are checked here, before the first call, so a typo fails at once rather than
-    on the first forward. ``in_place=True`` compiles with ``model.compile`` and returns
-    ``model`` itself (its class is kept).
+    tensorized ops guard it to its plan region (the power-of-two buckets of the rows that
+    one plan serves, ``planner.regions``), so there is one graph per region, not one per
+    batch size. Options are checked here, before the first call, so a typo fails at once
+    rather than on the first forward. ``in_place=True`` compiles the model in place, as
+    ``model.compile`` does (see :func:`_entry`), and returns ``model`` itself (its class
+    is kept).
     ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.

@@ -112,18 +112,15 @@ def _tt_contract(x, cores, kind, in_modes, out_modes, objective, autotune):
         return get_plan(new_network(tuple(in_modes), tuple(out_modes), ranks, bucket),
                         dtype=x.dtype, device_type=x.device.type, objective=objective)
 
-    rows = x.shape[0]
-    bucket = row_bucket(rows) if autotune else _region_bucket(rows, plan_at)
-    network = new_network(tuple(in_modes), tuple(out_modes), ranks, bucket)
-    context = _real_tensors() if autotune else contextlib.nullcontext()
-    with context:
-        plan = get_plan(
-            network,
-            dtype=x.dtype,
-            device_type=x.device.type,
-            objective=objective,
-            autotune=autotune,
-        )
+    if autotune:  # timed on real tensors, for the bucket alone
+        bucket = row_bucket(x.shape[0])
+        network = new_network(tuple(in_modes), tuple(out_modes), ranks, bucket)
+        with _real_tensors():
+            plan = get_plan(network, dtype=x.dtype, device_type=x.device.type,
+                            objective=objective, autotune=True)
+    else:
+        bucket = _region_bucket(x.shape[0], plan_at)
+        plan = plan_at(bucket)
     key = (kind, tuple(in_modes), tuple(out_modes), tuple(ranks), bucket)
     _plans[(*key, x.dtype, x.device.type, objective)] = plan
     return plan.execute(x, *cores)
@@ -136,7 +133,7 @@ def _tt_lookup(ids, cores, row_modes, col_modes):
         return embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket)
 
     bucket = _region_bucket(ids.shape[0], plan_at)
-    plan = embedding_plan(tuple(row_modes), tuple(col_modes), ranks, bucket)
+    plan = plan_at(bucket)
     key = ("tt_embedding", tuple(row_modes), tuple(col_modes), tuple(ranks), bucket)
     _plans[(*key, cores[0].dtype, ids.device.type, plan.objective)] = plan
     return plan.lookup(ids, cores)

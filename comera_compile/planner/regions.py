@@ -6,8 +6,9 @@ all row counts (the cores merge first while the rows are few, the rows run throu
 chain once they dominate), and near a change the two orders cost about the same. So a
 symbolic row count is guarded to its *region*: the run of neighbouring buckets where the
 plan of the rows' own bucket costs at most ``SLACK`` more than each bucket's best plan.
-Batch sizes 8 to 4,096 then share one graph where they would have compiled one per bucket,
-and no batch runs a contraction more than ``1 + SLACK`` times its best cost.
+On the six-encoder, batch sizes 5 to 32 (x 128 rows) then share one graph where they
+compiled one per bucket (``python benchmarks/graphs.py``), and no batch runs a contraction
+at more than ``1 + SLACK`` times its bucket's best cost.
 
 Finding a region plans the neighbouring buckets (cached, a few milliseconds each), out to
 ``MAX_BUCKET`` rows; a region that reaches it has no upper bound.
