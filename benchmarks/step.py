@@ -10,16 +10,16 @@ during the timed steps (the kernel's high-water mark, reset before them; sampled
 where the reset is refused) minus the RSS of the process before the model is built (on
 CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps). Page faults are the minor
 faults of the process per timed step (``getrusage``): each is a 4 KiB page of a freshly
-mapped block touched for the first time. The compiled CoMERA row
-keeps freed host memory for reuse and the low-memory row hands it back to the OS at once
-(the backend's ``host_memory`` defaults); the other rows keep glibc's own defaults.
-``--host-memory reuse`` or ``release`` sets that allocator in every row, so rows can be
-compared on equal terms (the allocator's own share of a gain).
+mapped block touched for the first time. The compiled CoMERA rows keep freed blocks of
+1 MiB or more by size for reuse (the backend's ``host_memory`` default, the block cache);
+the other rows keep glibc's own defaults. ``--host-memory cache``, ``reuse`` or
+``release`` sets that allocator in every row, so rows can be compared on equal terms (the
+allocator's own share of a gain).
 
     pip install galore-torch            # for the GaLore row (skipped when missing)
     python benchmarks/step.py                       # batch 1 x 128 and 32 x 128
     python benchmarks/step.py --batches 8 --rows comera-eager,comera-compiled
-    python benchmarks/step.py --batches 32 --rows comera-eager,comera-compiled --host-memory reuse
+    python benchmarks/step.py --batches 32 --rows comera-eager,comera-compiled --host-memory cache
     python benchmarks/step.py --batches 8 --rows comera-compiled --host-memory release
 """
 
@@ -250,9 +250,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--host-memory", choices=("default", "reuse", "release"),
+    parser.add_argument("--host-memory", choices=("default", "cache", "reuse", "release"),
                         default="default",
-                        help="reuse: every row keeps freed host memory for reuse (glibc); "
+                        help="cache: every row keeps freed blocks by size (block cache); "
+                             "reuse: every row keeps freed host memory in glibc's heap; "
                              "release: every row hands it back to the OS at once")
     parser.add_argument("--low-memory", default="low",
                         help="the memory setting of the comera-compiled-low row: 'low' or an "
@@ -287,7 +288,8 @@ def main() -> None:
         f"six-encoder, {args.layers} layers, seq {args.seq}; median of {args.steps} steps "
         f"after {args.warmup} warm-up steps; one child process per row"
         + (f" with {args.threads} thread(s)" if args.threads else "")
-        + {"default": "", "reuse": "; every row reuses freed host memory",
+        + {"default": "", "cache": "; every row keeps freed blocks by size (block cache)",
+           "reuse": "; every row reuses freed host memory in the heap",
            "release": "; every row releases freed host memory at once"}[args.host_memory]
         + ("; huge pages (THP_MEM_ALLOC_ENABLE=1)" if args.huge_pages else "")
         + (f"; low-memory row: memory={args.low_memory}" if args.low_memory != "low" else "")

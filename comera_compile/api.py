@@ -121,9 +121,11 @@ def optimize(
     activations in backward, keeps dropout masks as bits and, on CPU, hands freed host
     memory back to the OS at once: for the six-encoder at batch 32 on a 2-core CPU, 3.9x
     less training memory than dense for 53% more step time than the default compiled step
-    (README, "Compiled step"). ``host_memory`` (compiled models on CPU): ``"reuse"`` keeps
-    freed host memory in the heap so each step's large activations are not faulted in
-    anew, ``"release"`` unmaps freed blocks at once; None reuses unless ``memory="low"``.
+    (README, "Compiled step"). ``host_memory`` (compiled models on CPU): ``"cache"`` keeps
+    freed blocks of 1 MiB or more by size for the next step's requests of that size,
+    ``"reuse"`` keeps freed memory in glibc's heap (both: large activations are not faulted
+    in anew each step), ``"release"`` unmaps freed blocks at once; None takes the cache
+    (where it cannot be built: reuse, or release with ``memory="low"``).
     A model built under ``torch.device("meta")`` (too big to build dense) takes
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer

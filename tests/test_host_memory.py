@@ -126,19 +126,28 @@ def test_release_unmaps_freed_blocks_that_reuse_keeps(mode, low, high):
 
 @glibc_only
 @pytest.mark.parametrize(
-    "options, mode",
-    [({}, "reuse"), ({"memory": "low"}, "release"), ({"host_memory": "release"}, "release"),
-     ({"memory": "low", "host_memory": "reuse"}, "reuse")],
+    "options, mode, cache_builds",
+    [({}, "cache", True), ({"memory": "low"}, "cache", True),
+     ({}, "reuse", False), ({"memory": "low"}, "release", False),
+     ({"host_memory": "release"}, "release", True),
+     ({"memory": "low", "host_memory": "reuse"}, "reuse", True)],
 )
-def test_cpu_graphs_reuse_at_the_default_budget_and_release_below_it(options, mode):
+def test_cpu_graphs_take_the_block_cache_and_without_it_reuse_or_release(
+        options, mode, cache_builds, monkeypatch):
+    from comera_compile.compile import block_cache
+
+    if not cache_builds:  # a machine without a C++ compiler
+        monkeypatch.setattr(block_cache, "install", lambda *a, **k: False)
+    elif not block_cache.install():
+        pytest.skip("the block cache cannot be built here")
     set_host_memory("reuse" if mode == "release" else "release")
     torch.manual_seed(0)
     model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
     compiled = torch.compile(model, backend="comera", options={"inductor": False, **options})
     compiled(torch.randn(4, 64)).sum().backward()
     assert host_memory_mode() == mode
-    assert reusing_freed_host_memory() is (mode == "reuse")
-
+    assert reusing_freed_host_memory() is (mode != "release")
+    assert block_cache.active() is (mode == "cache")
 
 
 def test_each_inductor_compile_on_cpu_releases_the_free_heap(monkeypatch):
@@ -168,8 +177,8 @@ def test_low_memory_on_cpu_hints_huge_pages_once(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="comera_compile"):
         for width in (4, 5):  # two graphs, one hint
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend="comera",
-                                     options={"inductor": False, "memory": "low"})
+            compiled = torch.compile(model, backend="comera", options={
+                "inductor": False, "memory": "low", "host_memory": "release"})
             compiled(torch.randn(width, 64)).sum().backward()
     hints = [r for r in caplog.records if "THP_MEM_ALLOC_ENABLE=1" in r.getMessage()]
     assert len(hints) == 1

@@ -22,11 +22,12 @@ holds one recognisable node per tensorized layer. The backend
    distribution, not identical to eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
    (``compile.recompute``): a recomputed dropout would draw a new mask.
-5. on CPU with the default memory budget, keeps freed host memory in the heap
-   (``compile.host_memory``): otherwise every step maps its large activations anew and
-   pays a page fault per 4 KiB page. Below it, hands every freed large block back to the
-   OS at once, so the resident memory is what is live. On CPU, each compiled forward and
-   backward then hands the memory the compiler freed back to the OS too.
+5. on CPU, keeps freed large blocks by size for the next step's requests of that size
+   (``compile.host_memory``, the block cache): otherwise every step maps its large
+   activations anew and pays a page fault per 4 KiB page. Where the cache cannot be built,
+   it keeps freed memory in glibc's heap at the default memory budget and hands it back
+   at once below it. On CPU, each compiled forward and backward then hands the memory the
+   compiler freed back to the OS too.
 6. on CPU, splits the backward's sums over many rows (bias and LayerNorm gradients)
    into sums over blocks of rows (``compile.reductions``): inductor's one-pass loop for
    them takes three times aten's time.
@@ -124,6 +125,17 @@ def _log_start(nodes: list[fx.Node]) -> None:
         log.info("comera backend: compiling a plain graph (the first call takes a while)")
 
 
+def _set_host_memory(opts: BackendOptions) -> None:
+    """The block cache unless another mode is asked for; without it, reuse freed blocks at
+    the default budget (speed) and hand them back below it (memory)."""
+    fallback = "reuse" if opts.memory >= 1 else "release"
+    for mode in (opts.host_memory,) if opts.host_memory else ("cache", fallback):
+        if mode == host_memory_mode() or set_host_memory(mode):
+            break
+    if opts.memory < 1 and host_memory_mode() == "release":
+        _hint_huge_pages()
+
+
 def _hint_huge_pages() -> None:
     """Once per process: a low memory budget on CPU pays page faults that huge pages cut."""
     global _hinted_huge_pages
@@ -164,12 +176,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         _warn_plain()
     _log_start(nodes)
     cpu = not _on_cuda(example_inputs)
-    # reuse freed blocks at the default budget (speed); hand them back below it (memory)
-    host = opts.host_memory or ("reuse" if opts.memory >= 1 else "release")
-    if cpu and host != host_memory_mode():
-        set_host_memory(host)
-    if cpu and opts.memory < 1 and host == "release":
-        _hint_huge_pages()
+    if cpu:
+        _set_host_memory(opts)
     # the partitioner reads the activation budget while the graph is compiled, right here
     with torch._functorch.config.patch(activation_memory_budget=opts.memory):
         sparse = opts.inductor and has_sparse_embedding(gm)

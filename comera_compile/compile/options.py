@@ -17,7 +17,7 @@ from comera_compile.planner import parse_objective
 
 OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory")
 
-HOST_MEMORY = ("reuse", "release")
+HOST_MEMORY = ("cache", "reuse", "release")
 
 MEMORY_BUDGETS = {"default": 1.0, "low": 0.05}
 """``memory`` settings as AOT autograd activation budgets: the fraction of the activations
@@ -33,10 +33,12 @@ class BackendOptions:
     debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute cheap
     activations in backward: about 3x less training memory than dense for more step time) or
     a budget in ``(0, 1]``, the fraction of activations kept. ``host_memory``: on CPU,
-    ``"reuse"`` keeps freed blocks in the heap so each step's large activations are not
-    mapped and faulted in anew, ``"release"`` hands every freed block of 128 KiB or more
-    back to the OS at once (``compile.host_memory``; process-wide; None: reuse with the
-    default memory budget, release with a lower one).
+    ``"cache"`` keeps freed blocks of 1 MiB or more by size for the next request of that
+    size, ``"reuse"`` keeps freed blocks in glibc's heap (both: each step's large
+    activations are not mapped and faulted in anew), ``"release"`` hands every freed block
+    of 128 KiB or more back to the OS at once (``compile.host_memory``; process-wide;
+    None: the cache, or where it cannot be built, reuse with the default memory budget
+    and release with a lower one).
     ``config``: inductor config patches."""
 
     cudagraphs: bool | None = None

@@ -1,0 +1,204 @@
+// A CPU allocator that keeps freed large blocks, by exact size, for the next request of
+// that size (see block_cache.py for why). Smaller requests go to the allocator it replaces.
+#include <c10/core/CPUAllocator.h>
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr size_t kPage = 4096;
+
+struct Block {
+  void* data;
+  size_t size;
+  size_t freed_at;  // the count of large requests when it was last freed
+};
+
+struct Stats {
+  size_t mapped = 0;  // bytes mapped by the cache, in use or kept
+  size_t kept = 0;    // of them, free and kept for reuse
+  size_t hits = 0;
+  size_t misses = 0;
+  size_t unmapped = 0;  // kept blocks handed back: the cache was full, or they sat idle
+  size_t peak_in_use = 0;  // the most bytes of its blocks in use at once
+};
+
+class BlockCache final : public c10::Allocator {
+ public:
+  BlockCache(c10::Allocator* small, size_t min_bytes, size_t max_kept, size_t max_idle)
+      : small_(small), min_bytes_(min_bytes), max_kept_(max_kept), max_idle_(max_idle) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < min_bytes_) {
+      return small_->allocate(n);
+    }
+    size_t size = (n + kPage - 1) / kPage * kPage;
+    Block* block = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      requests_++;
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        block = it->second.back();
+        it->second.pop_back();
+        stats_.kept -= size;
+        stats_.hits++;
+      } else {
+        stats_.misses++;
+        drop_idle();  // a new size: the step changed, and sizes it no longer asks for go
+      }
+    }
+    if (block == nullptr) {
+      void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (data == MAP_FAILED) {
+        return small_->allocate(n);  // let the usual allocator report the failure
+      }
+      block = new Block{data, size, 0};
+      std::lock_guard<std::mutex> lock(mutex_);
+      stats_.mapped += size;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.mapped - stats_.kept);
+    }
+    return {block->data, block, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+  // Hand every kept block back to the OS.
+  void trim() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& entry : free_) {
+      for (Block* block : entry.second) {
+        unmap(block);
+      }
+      entry.second.clear();
+    }
+    stats_.kept = 0;
+  }
+
+  void set_limits(size_t max_kept, size_t max_idle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    max_kept_ = max_kept;
+    max_idle_ = max_idle;
+  }
+
+  Stats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+
+  c10::Allocator* small() const { return small_; }
+
+  static BlockCache* instance;
+
+ private:
+  static void release(void* ctx) { instance->put(static_cast<Block*>(ctx)); }
+
+  void put(Block* block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stats_.kept + block->size > max_kept_) {
+      stats_.unmapped++;
+      unmap(block);
+      return;
+    }
+    block->freed_at = requests_;
+    free_[block->size].push_back(block);
+    stats_.kept += block->size;
+  }
+
+  // Unmap kept blocks that no request took in the last max_idle_ large requests.
+  void drop_idle() {  // with mutex_ held
+    for (auto& entry : free_) {
+      auto& blocks = entry.second;
+      size_t kept = 0;
+      for (Block* block : blocks) {
+        if (requests_ - block->freed_at > max_idle_) {
+          stats_.kept -= block->size;
+          stats_.unmapped++;
+          unmap(block);
+        } else {
+          blocks[kept++] = block;
+        }
+      }
+      blocks.resize(kept);
+    }
+  }
+
+  void unmap(Block* block) {  // with mutex_ held
+    munmap(block->data, block->size);
+    stats_.mapped -= block->size;
+    delete block;
+  }
+
+  c10::Allocator* small_;
+  size_t min_bytes_;
+  size_t max_kept_;
+  size_t max_idle_;
+  size_t requests_ = 0;  // large requests so far
+  std::mutex mutex_;
+  std::unordered_map<size_t, std::vector<Block*>> free_;
+  Stats stats_;
+};
+
+BlockCache* BlockCache::instance = nullptr;
+
+}  // namespace
+
+extern "C" {
+
+// Install the cache as torch's CPU allocator; 0 when it already was (max_kept still changes).
+int comera_block_cache_install(size_t min_bytes, size_t max_kept, size_t max_idle) {
+  if (BlockCache::instance != nullptr) {
+    BlockCache::instance->set_limits(max_kept, max_idle);
+    if (c10::GetCPUAllocator() == BlockCache::instance) return 0;
+    c10::SetCPUAllocator(BlockCache::instance, /*priority=*/100);
+    return 1;
+  }
+  // never deleted: tensors it served may outlive any owner
+  BlockCache::instance = new BlockCache(c10::GetCPUAllocator(), min_bytes, max_kept, max_idle);
+  c10::SetCPUAllocator(BlockCache::instance, /*priority=*/100);
+  return 1;
+}
+
+// Give torch back the allocator the cache replaced; blocks it served still return to it.
+int comera_block_cache_uninstall() {
+  if (BlockCache::instance == nullptr || c10::GetCPUAllocator() != BlockCache::instance) {
+    return 0;
+  }
+  BlockCache::instance->set_limits(0, 0);
+  BlockCache::instance->trim();
+  c10::SetCPUAllocator(BlockCache::instance->small(), /*priority=*/100);
+  return 1;
+}
+
+int comera_block_cache_active() {
+  return BlockCache::instance != nullptr && c10::GetCPUAllocator() == BlockCache::instance;
+}
+
+void comera_block_cache_trim() {
+  if (BlockCache::instance != nullptr) BlockCache::instance->trim();
+}
+
+// mapped, kept, hits, misses, unmapped, peak_in_use
+void comera_block_cache_stats(size_t* out) {
+  Stats s = BlockCache::instance != nullptr ? BlockCache::instance->stats() : Stats{};
+  out[0] = s.mapped;
+  out[1] = s.kept;
+  out[2] = s.hits;
+  out[3] = s.misses;
+  out[4] = s.unmapped;
+  out[5] = s.peak_in_use;
+}
+
+}  // extern "C"
