@@ -43,7 +43,8 @@ assert bc.install()
 def step():  # 8 MiB and 3 MiB activations, touched and freed, as a training step does
     a = torch.ones(2048, 1024)
     b = torch.ones(768, 1024) * 2
-    return float(a.sum() + b.sum())
+    c = torch.nn.functional.gelu(b)  # a kernel that takes raw scratch space as well
+    return float(a.sum() + b.sum() + c.sum())
 step()
 start, s0 = faults(), bc.stats()
 values = [step() for _ in range(5)]
@@ -53,7 +54,7 @@ print(json.dumps({"faults": (faults() - start) / 5, "hits": s1.hits - s0.hits,
                   "active": bc.active()}))
 """)
     assert out["active"]
-    assert out["misses"] == 0 and out["hits"] >= 15  # every large block came from the cache
+    assert out["misses"] == 0 and out["hits"] >= 20  # every large block came from the cache
     assert out["faults"] < 50  # 11 MiB in 4 KiB pages would be ~2,800 faults per step
     assert len(set(out["values"])) == 1
     assert out["mapped"] < 16 * 2**20  # only the step's own blocks are held

@@ -66,7 +66,7 @@ def test_low_memory_saves_under_half_the_activations_with_exact_gradients():
 
 
 def test_memory_option_is_checked_at_the_door():
-    assert cc.parse_options({"memory": "low"}).memory == pytest.approx(0.05)
+    assert cc.parse_options({"memory": "low"}).memory == pytest.approx(0.999)
     assert cc.parse_options({"memory": 0.5}).memory == 0.5
     with pytest.raises(ValueError, match="'memory' must be one of"):
         cc.parse_options({"memory": "tiny"})

@@ -21,6 +21,10 @@ struct Block {
   size_t freed_at;  // the count of large requests when it was last freed
 };
 
+// Every pointer it hands out is its own context (as torch's default CPU allocator does),
+// so kernels that allocate scratch space raw (raw_allocate / raw_deleter) work with it:
+// the deleter finds a block by its address, and passes any other to the small allocator.
+
 struct Stats {
   size_t mapped = 0;  // bytes mapped by the cache, in use or kept
   size_t kept = 0;    // of them, free and kept for reuse
@@ -66,10 +70,13 @@ class BlockCache final : public c10::Allocator {
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      in_use_[block->data] = block;
       stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.mapped - stats_.kept);
     }
-    return {block->data, block, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
+    return {block->data, block->data, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &BlockCache::release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
@@ -103,18 +110,29 @@ class BlockCache final : public c10::Allocator {
   static BlockCache* instance;
 
  private:
-  static void release(void* ctx) { instance->put(static_cast<Block*>(ctx)); }
+  static void release(void* ptr) {
+    if (!instance->put(ptr)) {
+      instance->small_->raw_deleter()(ptr);  // a small block: not one of ours
+    }
+  }
 
-  void put(Block* block) {
+  bool put(void* ptr) {
     std::lock_guard<std::mutex> lock(mutex_);
+    auto it = in_use_.find(ptr);
+    if (it == in_use_.end()) {
+      return false;
+    }
+    Block* block = it->second;
+    in_use_.erase(it);
     if (stats_.kept + block->size > max_kept_) {
       stats_.unmapped++;
       unmap(block);
-      return;
+      return true;
     }
     block->freed_at = requests_;
     free_[block->size].push_back(block);
     stats_.kept += block->size;
+    return true;
   }
 
   // Unmap kept blocks that no request took in the last max_idle_ large requests.
@@ -148,6 +166,7 @@ class BlockCache final : public c10::Allocator {
   size_t requests_ = 0;  // large requests so far
   std::mutex mutex_;
   std::unordered_map<size_t, std::vector<Block*>> free_;
+  std::unordered_map<void*, Block*> in_use_;
   Stats stats_;
 };
 

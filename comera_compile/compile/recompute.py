@@ -1,4 +1,17 @@
-"""Keep random values out of backward recomputation.
+"""What a low activation budget recomputes in backward, and what it must keep.
+
+**Thin products are recomputed** (:func:`recompute_thin_products`). A TT layer's forward
+ends in a matmul over a rank bond (``t @ B``, ``t`` is ``rows x r`` with ``r`` about 30):
+its output is as large as a dense layer's, but remaking it from the small ``t`` costs
+``2 r`` flops per element, about what reading it back from memory costs on a CPU. So the
+outputs of matmuls that contract at most :data:`THIN` indices, and the pointwise ops
+computed from them alone (bias, GELU, a dropout with its saved mask), are marked
+``MUST_RECOMPUTE``; the min-cut then keeps the small ``t`` instead. AOT autograd's own
+budget knapsack prices ops by flops and treats every fusible op as free to recompute, so
+below a budget of about 0.3 it recomputes whole layers (attention and layer norms
+included) and costs a third more step time; this marking keeps the cheap part of that.
+
+**Random values are kept.**
 
 With an activation memory budget below 1 (``memory="low"``), AOT autograd's min-cut
 partitioner may lift its own ban on recomputing random ops (dropout) to meet the budget.
@@ -23,6 +36,70 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 from comera_compile.compile.graph_nodes import call_with_value
+
+THIN = 48  # a matmul contracting at most this many indices is cheap to redo (TT bonds)
+
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1,
+            torch.ops.aten.bmm.default: 0}
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.reshape.default, torch.ops.aten.permute.default,
+          torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+          torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.squeeze.dim, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.clone.default}
+SMALL = 1 << 20  # bytes: an input this small (a bias, a scale) is kept whatever it costs
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return 0
+    try:
+        return int(value.numel()) * value.element_size()
+    except (TypeError, RuntimeError):  # a symbolic size: not small
+        return SMALL
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes of a joint graph that read the tangents (the backward part)."""
+    backward = {n for n in graph.nodes if n.op == "placeholder" and "tangents" in n.name}
+    for node in graph.nodes:
+        if any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    return backward
+
+
+def _thin(node: fx.Node) -> bool:
+    left = node.args[_MATMULS[node.target]]
+    value = left.meta.get("val") if isinstance(left, fx.Node) else None
+    k = value.shape[-1] if isinstance(value, torch.Tensor) else None
+    return isinstance(k, int) and k <= THIN
+
+
+def recompute_thin_products(graph: fx.Graph) -> int:
+    """Mark a joint graph's thin matmul outputs, and pointwise ops computed from them alone,
+    ``MUST_RECOMPUTE``; returns how many nodes were marked. Nodes already marked (the
+    random values) are left as they are."""
+    backward = _backward_nodes(graph)
+    thin: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in backward or node.op != "call_function" or "recompute" in node.meta:
+            continue
+        if node.target in _MATMULS:
+            if _thin(node):
+                thin.add(node)
+            continue
+        pointwise = node.target in _VIEWS or torch.Tag.pointwise in getattr(
+            node.target, "tags", ())
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if pointwise and any(a in thin for a in inputs) and all(
+            a in thin or _nbytes(a) < SMALL
+            or a.meta.get("recompute") == CheckpointPolicy.MUST_SAVE for a in inputs
+        ):
+            thin.add(node)
+    for node in thin:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return len(thin)
 
 
 def is_random(node: fx.Node) -> bool:
@@ -119,12 +196,13 @@ def pack_saved_masks(graph: fx.Graph) -> int:
 
 
 class SaveRandomValues(CustomGraphPass):
-    """:func:`save_random_values` and :func:`pack_saved_masks` as inductor's
-    ``joint_custom_pre_pass``."""
+    """:func:`save_random_values`, :func:`pack_saved_masks` and
+    :func:`recompute_thin_products` as inductor's ``joint_custom_pre_pass``."""
 
     def __call__(self, graph: fx.Graph) -> None:
         save_random_values(graph)
         pack_saved_masks(graph)
+        recompute_thin_products(graph)
 
     def uuid(self) -> bytes:  # part of inductor's cache key: changes with this file
         return hashlib.sha256(Path(__file__).read_bytes()).digest()
@@ -136,5 +214,6 @@ def partition_keeping_random(joint: fx.GraphModule, joint_inputs, **kwargs):
 
     save_random_values(joint.graph)
     pack_saved_masks(joint.graph)
+    recompute_thin_products(joint.graph)
     joint.recompile()
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
