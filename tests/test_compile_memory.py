@@ -122,3 +122,42 @@ def test_low_memory_under_inductor_draws_each_dropout_mask_once():
     keys = {e.key: e.count for e in prof.key_averages()}
     assert "aten::bernoulli_" not in keys  # masks come from 15-bit draws (compile.dropout)
     assert keys["aten::random_"] == 4  # embeddings, attention probabilities, two residuals
+
+
+def saved_shapes(model, x, memory):
+    """Shapes of what one compiled forward keeps for backward, and the input gradient."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="comera",
+                             options={"inductor": False, "memory": memory})
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    x = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.square().sum().backward()
+    return shapes, x.grad
+
+
+def test_low_memory_recomputes_the_wide_outputs_of_thin_products():
+    """A TT layer's last matmul contracts a rank bond (4 here): its 32 x 256 output and the
+    GELU of it are remade from the 32 x 4 factor in backward, not kept; by default they are
+    kept. The gradients are the same."""
+    from comera_compile.compile.recompute import THIN
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TTLinear(64, 256, ranks=4), torch.nn.GELU(),
+                                TTLinear(256, 64, ranks=4))
+    x = torch.randn(32, 64)
+    default, grad_default = saved_shapes(model, x, "default")
+    low, grad_low = saved_shapes(model, x, "low")
+    assert 4 <= THIN
+    assert (32, 256) in default
+    assert (32, 256) not in low
+    wide = sum(32 * 256 for s in default if s == (32, 256))
+    assert sum(torch.Size(s).numel() for s in low) <= sum(
+        torch.Size(s).numel() for s in default) - wide
+    torch.testing.assert_close(grad_low, grad_default, rtol=1e-5, atol=1e-6)
