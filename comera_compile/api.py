@@ -117,11 +117,12 @@ def optimize(
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
     fastest per row, least accurate at high compression). ``autotune=True`` times the best
     few contraction orders of each layer on first use; ``objective`` is the planner's cost
-    (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes cheap
-    activations in backward, keeps dropout masks as bits and, on CPU, hands freed host
-    memory back to the OS at once: for the six-encoder at batch 32 on a 2-core CPU, 3.9x
-    less training memory than dense for 53% more step time than the default compiled step
-    (README, "Compiled step"). ``host_memory`` (compiled models on CPU): ``"cache"`` keeps
+    (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes the
+    wide outputs of thin (rank-bond) products in backward and keeps dropout masks as bits:
+    for the six-encoder at batch 32 on a 2-core CPU, 3.1x less training memory than dense
+    for 16-37% more step time than the default compiled step (README, "Compiled step"); a
+    number below 1 (``memory=0.05``) recomputes more, for less memory and more time.
+    ``host_memory`` (compiled models on CPU): ``"cache"`` keeps
     freed blocks of 1 MiB or more by size for the next step's requests of that size,
     ``"reuse"`` keeps freed memory in glibc's heap (both: large activations are not faulted
     in anew each step), ``"release"`` unmaps freed blocks at once; None takes the cache

@@ -32,9 +32,10 @@ class BackendOptions:
     """``cudagraphs``: run under CUDA Graph trees (None: on when the graph runs on CUDA).
     ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels; for
-    debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute cheap
-    activations in backward: about 3x less training memory than dense for more step time) or
-    a budget in ``(0, 1]``, the fraction of activations kept. ``host_memory``: on CPU,
+    debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute the wide
+    outputs of thin products in backward: about 3x less training memory than dense for
+    more step time) or a budget in ``(0, 1]``, AOT autograd's fraction of activations kept
+    (any budget below 1 recomputes thin products too). ``host_memory``: on CPU,
     ``"cache"`` keeps freed blocks of 1 MiB or more by size for the next request of that
     size, ``"reuse"`` keeps freed blocks in glibc's heap (both: each step's large
     activations are not mapped and faulted in anew), ``"release"`` hands every freed block

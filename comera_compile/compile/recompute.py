@@ -8,8 +8,10 @@ outputs of matmuls that contract at most :data:`THIN` indices, and the pointwise
 computed from them alone (bias, GELU, a dropout with its saved mask), are marked
 ``MUST_RECOMPUTE``; the min-cut then keeps the small ``t`` instead. AOT autograd's own
 budget knapsack prices ops by flops and treats every fusible op as free to recompute, so
-below a budget of about 0.3 it recomputes whole layers (attention and layer norms
-included) and costs a third more step time; this marking keeps the cheap part of that.
+at low budgets it recomputes whole layers (attention and layer norms included): on the
+six-encoder at batch 32, budget 0.05 keeps 39 MB for backward and costs about a quarter
+more step time on a CPU. This marking keeps the cheap part of that (README, "Compiled
+step", has the measured pair).
 
 **Random values are kept.**
 
@@ -21,7 +23,7 @@ in the joint graph, before partitioning, keeps each dropout mask and lets the bu
 recompute everything around it. :func:`pack_saved_masks` then keeps each boolean mask as
 bits (one byte per eight elements, not one per element). ``python benchmarks/saved.py``
 prints the effect on the six-encoder at batch 32 x 128: the masks take 75.0 MB as bytes
-(the default setting), 9.4 MB as bits of the 88.0 MB ``memory="low"`` keeps.
+(the default setting), 9.4 MB as bits at budget 0.05.
 """
 
 from __future__ import annotations
