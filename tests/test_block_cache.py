@@ -121,3 +121,15 @@ print(json.dumps({"kept": s.kept, "unmapped": s.unmapped, "total": total,
     assert out["total"] == 2**20
     assert out["misses_after"] == 2  # the tensor after uninstalling did not come from it
     assert out["mapped_after"] == 0  # the block in use went back to the OS when freed
+
+
+def test_sizes_that_change_every_step_keep_at_most_half_again_the_peak_in_use():
+    out = run("""
+assert bc.install()
+for step in range(200):  # a 2 MiB activation whose size changes every step, never reused
+    torch.ones(2**19 + 1024 * step).sum()
+s = bc.stats()
+print(json.dumps({"kept": s.kept, "peak": s.peak_in_use, "misses": s.misses}))
+""")
+    assert out["misses"] == 200
+    assert out["kept"] <= 1.5 * out["peak"]  # without the bound: 200 blocks, 480 MiB

@@ -124,7 +124,10 @@ class BlockCache final : public c10::Allocator {
     }
     Block* block = it->second;
     in_use_.erase(it);
-    if (stats_.kept + block->size > max_kept_) {
+    // kept bytes stay under max_kept_ and under 1.5x the most ever in use at once, so
+    // shapes that change every step cannot make the cache grow without bound
+    size_t limit = std::min(max_kept_, stats_.peak_in_use + stats_.peak_in_use / 2);
+    if (stats_.kept + block->size > limit) {
       stats_.unmapped++;
       unmap(block);
       return true;

@@ -12,8 +12,9 @@ asks for the same sizes as the last one, steady state is free of both page fault
 fragmentation. When the sizes change (another batch shape), the sizes no longer asked for
 must not stay mapped: at each request that finds no block of its size, kept blocks that no
 request took in the last ``max_idle`` large requests are unmapped (a six-encoder step makes
-about 90). ``max_kept`` caps the bytes kept free. Smaller requests go to the allocator it
-replaces.
+about 90), and the bytes kept free never exceed 1.5 times the most bytes ever in use at
+once (nor ``max_kept``): sizes that change every step (unpadded batches) cannot make the
+cache grow past that. Smaller requests go to the allocator it replaces.
 
 It is a small C++ file compiled against torch's c10 on first use (a C++ compiler is needed,
 as for inductor on CPU; about 5 s, then cached) and installed with ``c10::SetCPUAllocator``:
