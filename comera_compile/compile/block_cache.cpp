@@ -21,10 +21,6 @@ struct Block {
   size_t freed_at;  // the count of large requests when it was last freed
 };
 
-// Every pointer it hands out is its own context (as torch's default CPU allocator does),
-// so kernels that allocate scratch space raw (raw_allocate / raw_deleter) work with it:
-// the deleter finds a block by its address, and passes any other to the small allocator.
-
 struct Stats {
   size_t mapped = 0;  // bytes mapped by the cache, in use or kept
   size_t kept = 0;    // of them, free and kept for reuse
@@ -34,6 +30,9 @@ struct Stats {
   size_t peak_in_use = 0;  // the most bytes of its blocks in use at once
 };
 
+// Every pointer it hands out is its own context (as torch's default CPU allocator does),
+// so kernels that allocate scratch space raw (raw_allocate / raw_deleter) work with it:
+// the deleter finds a block by its address, and passes any other to the small allocator.
 class BlockCache final : public c10::Allocator {
  public:
   BlockCache(c10::Allocator* small, size_t min_bytes, size_t max_kept, size_t max_idle)

@@ -88,6 +88,11 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def _loaded() -> ctypes.CDLL | None:
+    """The allocator if this process has loaded it already (never builds it)."""
+    return _library() if _library.cache_info().currsize else None
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """``mapped``: bytes the cache holds (in use or kept); ``kept``: of them, free for reuse;
@@ -119,19 +124,19 @@ def install(min_bytes: int = MIN_BYTES, max_kept: int = MAX_KEPT,
 def uninstall() -> bool:
     """Give torch back the allocator the cache replaced and unmap the kept blocks; blocks
     still in use go back to the OS when freed. False when the cache was not installed."""
-    lib = _library()
+    lib = _loaded()
     return bool(lib and lib.comera_block_cache_uninstall())
 
 
 def active() -> bool:
     """Whether the block cache is torch's CPU allocator now."""
-    lib = _library.cache_info().currsize and _library()
+    lib = _loaded()
     return bool(lib and lib.comera_block_cache_active())
 
 
 def trim() -> None:
     """Unmap every kept block (the cache stays installed)."""
-    lib = _library.cache_info().currsize and _library()
+    lib = _loaded()
     if lib:
         lib.comera_block_cache_trim()
 
@@ -139,7 +144,7 @@ def trim() -> None:
 def stats() -> CacheStats:
     """The cache's counters (all zero before it is installed)."""
     out = (ctypes.c_size_t * 6)()
-    lib = _library.cache_info().currsize and _library()
+    lib = _loaded()
     if lib:
         lib.comera_block_cache_stats(out)
     return CacheStats(*out)
