@@ -120,7 +120,7 @@ def optimize(
     (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes the
     wide outputs of thin (rank-bond) products in backward and keeps dropout masks as bits:
     for the six-encoder at batch 32 on a 2-core CPU, 3.1x less training memory than dense
-    for 16-37% more step time than the default compiled step (README, "Compiled step"); a
+    for 16-37% more step time than the default compiled step (README, "Compiled training"); a
     number below 1 (``memory=0.05``) recomputes more, for less memory and more time.
     ``host_memory`` (compiled models on CPU): ``"cache"`` keeps
     freed blocks of 1 MiB or more by size for the next step's requests of that size,

@@ -43,36 +43,27 @@ class BlockCache final : public c10::Allocator {
       return small_->allocate(n);
     }
     size_t size = (n + kPage - 1) / kPage * kPage;
-    Block* block = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       requests_++;
       auto it = free_.find(size);
       if (it != free_.end() && !it->second.empty()) {
-        block = it->second.back();
+        Block* block = it->second.back();
         it->second.pop_back();
         stats_.kept -= size;
         stats_.hits++;
-      } else {
-        stats_.misses++;
-        drop_idle();  // a new size: the step changed, and sizes it no longer asks for go
+        return hand_out(block);
       }
+      stats_.misses++;
+      drop_idle();  // a new size: the step changed, and sizes it no longer asks for go
     }
-    if (block == nullptr) {
-      void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (data == MAP_FAILED) {
-        return small_->allocate(n);  // let the usual allocator report the failure
-      }
-      block = new Block{data, size, 0};
-      std::lock_guard<std::mutex> lock(mutex_);
-      stats_.mapped += size;
+    void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) {
+      return small_->allocate(n);  // let the usual allocator report the failure
     }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      in_use_[block->data] = block;
-      stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.mapped - stats_.kept);
-    }
-    return {block->data, block->data, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.mapped += size;
+    return hand_out(new Block{data, size, 0});
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &BlockCache::release; }
@@ -109,6 +100,12 @@ class BlockCache final : public c10::Allocator {
   static BlockCache* instance;
 
  private:
+  c10::DataPtr hand_out(Block* block) {  // with mutex_ held
+    in_use_[block->data] = block;
+    stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.mapped - stats_.kept);
+    return {block->data, block->data, &BlockCache::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
   static void release(void* ptr) {
     if (!instance->put(ptr)) {
       instance->small_->raw_deleter()(ptr);  // a small block: not one of ours

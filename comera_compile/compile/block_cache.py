@@ -2,7 +2,8 @@
 
 A training step allocates the same large activations in the same sizes every step. glibc
 either unmaps each freed block at once (every step then pays a page fault per 4 KiB page it
-touches anew: 370k faults per step for the six-encoder at batch 32 with ``memory="low"``)
+touches anew: 370k faults per step for the six-encoder at batch 32 in the README's
+previous low-memory row)
 or keeps it in its heap, where blocks of many sizes freed in a new order leave holes that
 raise the resident peak above what is live (``compile.host_memory``).
 
@@ -11,13 +12,13 @@ and, when it is freed, keeps it for the next request of exactly that size. Since
 asks for the same sizes as the last one, steady state is free of both page faults and
 fragmentation. When the sizes change (another batch shape), the sizes no longer asked for
 must not stay mapped: at each request that finds no block of its size, kept blocks that no
-request took in the last ``max_idle`` large requests are unmapped (a six-encoder step makes
-about 90), and the bytes kept free never exceed 1.5 times the most bytes ever in use at
+request took in the last ``max_idle`` large requests (many training steps' worth) are
+unmapped, and the bytes kept free never exceed 1.5 times the most bytes ever in use at
 once (nor ``max_kept``): sizes that change every step (unpadded batches) cannot make the
 cache grow past that. Smaller requests go to the allocator it replaces.
 
 It is a small C++ file compiled against torch's c10 on first use (a C++ compiler is needed,
-as for inductor on CPU; about 5 s, then cached) and installed with ``c10::SetCPUAllocator``:
+as for inductor on CPU; about a second, then cached) and installed with ``c10::SetCPUAllocator``:
 process-wide, for tensors allocated after it. :func:`install` returns False where it cannot
 be built or loaded (no compiler, not Linux), and the caller keeps glibc's allocator.
 """

@@ -12,8 +12,8 @@ ways out, process-wide:
   in glibc's heap. No faults in steady state and no heap holes around large blocks.
 - ``"reuse"``: glibc's mmap and trim thresholds raised, so freed blocks stay in the heap
   and the next step reuses them without faults; but the heap keeps its peak and the holes
-  that blocks of many sizes leave (on the six-encoder at batch 32 with ``memory="low"``,
-  1174 MB against 934 MB with the cache).
+  that blocks of many sizes leave (on the six-encoder at batch 32 at activation budget
+  0.05, 1044.5 MB against 940.6 MB with the cache: README, "Compiled training").
 - ``"release"``: glibc's initial thresholds (128 KiB) with its adaptive raising off, so
   every freed block of 128 KiB or more is unmapped at once: what is resident is what is
   live, for a page fault per page touched anew (370k per step there).

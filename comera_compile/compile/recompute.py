@@ -11,7 +11,7 @@ budget knapsack prices ops by flops and treats every fusible op as free to recom
 at low budgets it recomputes whole layers (attention and layer norms included): on the
 six-encoder at batch 32, budget 0.05 keeps 39 MB for backward and costs about a quarter
 more step time on a CPU. This marking keeps the cheap part of that (README, "Compiled
-step", has the measured pair).
+training", has the measured pair).
 
 **Random values are kept.**
 
@@ -41,14 +41,11 @@ from comera_compile.compile.graph_nodes import call_with_value
 
 THIN = 48  # a matmul contracting at most this many indices is cheap to redo (TT bonds)
 
-_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1,
-            torch.ops.aten.bmm.default: 0}
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.reshape.default, torch.ops.aten.permute.default,
-          torch.ops.aten.transpose.int, torch.ops.aten.t.default,
-          torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
-          torch.ops.aten.squeeze.dim, torch.ops.aten.slice.Tensor,
-          torch.ops.aten.clone.default}
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0}  # -> left operand
+_LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+               aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default,
+               aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.clone.default}
 SMALL = 1 << 20  # bytes: an input this small (a bias, a scale) is kept whatever it costs
 
 
@@ -91,7 +88,7 @@ def recompute_thin_products(graph: fx.Graph) -> int:
             if _thin(node):
                 thin.add(node)
             continue
-        pointwise = node.target in _VIEWS or torch.Tag.pointwise in getattr(
+        pointwise = node.target in _LAYOUT_OPS or torch.Tag.pointwise in getattr(
             node.target, "tags", ())
         inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         if pointwise and any(a in thin for a in inputs) and all(
@@ -137,7 +134,6 @@ def save_random_values(graph: fx.Graph) -> int:
     return count
 
 
-aten = torch.ops.aten
 BITS = 8
 
 
