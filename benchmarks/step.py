@@ -4,7 +4,10 @@ One child process per row (so no row inherits another's memory or compiled code)
 dense eager, dense + inductor, GaLore (``galore-torch``, rank 128, as its README sets it),
 CoMERA eager, CoMERA compiled (``backend="comera"``), CoMERA compiled + ``memory="low"``.
 A step is forward + cross-entropy + backward + optimizer step (AdamW, lr 1e-4, no weight
-decay; dropout 0.1, train mode). Step time is the median of ``--steps`` steps after
+decay; dropout 0.1, train mode). Every AdamW row runs torch's fused AdamW
+(``fused=True``, one kernel over all tensors: a compressed model has hundreds of small ones);
+``--optimizer for-loop`` or ``foreach`` picks torch's other implementations. GaLore runs its
+own AdamW, as its README sets it. Step time is the median of ``--steps`` steps after
 ``--warmup`` steps (compilation happens in the warm-up). Training memory is the peak RSS
 during the timed steps (the kernel's high-water mark, reset before them; sampled every 5 ms
 where the reset is refused) minus the RSS of the process before the model is built (on
@@ -122,7 +125,8 @@ def galore_optimizer(model, lr: float):
 
 
 def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int,
-            host_memory: str = "default", low_memory: str | float = "low") -> dict:
+            host_memory: str = "default", low_memory: str | float = "low",
+            optimizer_impl: str = "fused") -> dict:
     """Build, warm up and time one row in this process; returns its measurements."""
     import torch
     import torch.nn.functional as F
@@ -150,7 +154,9 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     if row == "galore":
         optimizer = galore_optimizer(model, 1e-4)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        impl = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                "for-loop": {"foreach": False}}[optimizer_impl]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, **impl)
     forward = model
     released = {"host_memory": host_memory} if host_memory != "default" else {}
     if row == "dense-inductor":
@@ -203,6 +209,7 @@ def child(args: argparse.Namespace, row: str, batch: int) -> dict | str:
         str(args.seq), "--layers", str(args.layers), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--threads", str(args.threads),
         "--host-memory", args.host_memory, "--low-memory", args.low_memory,
+        "--optimizer", args.optimizer,
     ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -261,6 +268,9 @@ def main() -> None:
     parser.add_argument("--huge-pages", action="store_true",
                         help="every row allocates blocks of 2 MiB and more on transparent huge "
                              "pages (torch's THP_MEM_ALLOC_ENABLE=1)")
+    parser.add_argument("--optimizer", choices=("fused", "foreach", "for-loop"),
+                        default="fused",
+                        help="torch's AdamW implementation in every row but GaLore's")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -272,7 +282,8 @@ def main() -> None:
             torch.set_num_threads(args.threads)
         low_memory = args.low_memory if args.low_memory == "low" else float(args.low_memory)
         print(json.dumps(run_row(args.child, batches[0], args.seq, args.layers, args.steps,
-                                 args.warmup, args.host_memory, low_memory)))
+                                 args.warmup, args.host_memory, low_memory,
+                                 args.optimizer)))
         return
 
     from tqdm import tqdm
@@ -293,6 +304,7 @@ def main() -> None:
            "release": "; every row releases freed host memory at once"}[args.host_memory]
         + ("; huge pages (THP_MEM_ALLOC_ENABLE=1)" if args.huge_pages else "")
         + (f"; low-memory row: memory={args.low_memory}" if args.low_memory != "low" else "")
+        + f"; AdamW: {args.optimizer}"
     )
     results = []
     jobs = [(b, r) for b in batches for r in rows]
