@@ -6,12 +6,15 @@ its output is as large as a dense layer's, but remaking it from the small ``t`` 
 ``2 r`` flops per element, about what reading it back from memory costs on a CPU. So the
 outputs of matmuls that contract at most :data:`THIN` indices, and the pointwise ops
 computed from them alone (bias, GELU, a dropout with its saved mask), are marked
-``MUST_RECOMPUTE``; the min-cut then keeps the small ``t`` instead. AOT autograd's own
-budget knapsack prices ops by flops and treats every fusible op as free to recompute, so
-at low budgets it recomputes whole layers (attention and layer norms included): on the
-six-encoder at batch 32, budget 0.05 keeps 39 MB for backward and costs about a quarter
-more step time on a CPU. This marking keeps the cheap part of that (README, "Compiled
-training", has the measured pair).
+``MUST_RECOMPUTE``; the min-cut then keeps the small ``t`` instead. Only outputs of at
+least :data:`WIDE` bytes: a smaller one saves little and still costs its kernels (at batch
+1 x 128 the six-encoder's low-memory step ran 53% slower than the default one with every
+thin product remade, 30% with those below 4 MiB kept, for the same 5-8 MB; step.py).
+AOT autograd's own budget knapsack prices ops by flops and treats every fusible op as
+free to recompute, so at low budgets it recomputes whole layers (attention and layer
+norms included): on the six-encoder at batch 32, budget 0.05 keeps 39 MB for backward
+and costs about a quarter more step time on a CPU. This marking keeps the cheap part of
+that (README, "Compiled training", has the measured pair).
 
 **Random values are kept.**
 
@@ -47,16 +50,24 @@ _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.defaul
                aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default,
                aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.clone.default}
 SMALL = 1 << 20  # bytes: an input this small (a bias, a scale) is kept whatever it costs
+WIDE = 4 << 20  # bytes: a thin product this large is worth remaking; a smaller one is kept
 
 
 def _nbytes(node: fx.Node) -> int:
+    """Bytes of a node's value; a symbolic size counts at its hint, read without a guard
+    (a guard would pin the graph to one batch size)."""
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
         return 0
-    try:
-        return int(value.numel()) * value.element_size()
-    except (TypeError, RuntimeError):  # a symbolic size: not small
-        return SMALL
+    numel = value.numel()
+    if isinstance(numel, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        try:
+            numel = optimization_hint(numel)
+        except Exception:  # an unbacked size has no hint: not small
+            return WIDE
+    return int(numel) * value.element_size()
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -85,7 +96,7 @@ def recompute_thin_products(graph: fx.Graph) -> int:
         if node in backward or node.op != "call_function" or "recompute" in node.meta:
             continue
         if node.target in _MATMULS:
-            if _thin(node):
+            if _thin(node) and _nbytes(node) >= WIDE:
                 thin.add(node)
             continue
         pointwise = node.target in _LAYOUT_OPS or torch.Tag.pointwise in getattr(
@@ -203,7 +214,8 @@ class SaveRandomValues(CustomGraphPass):
         recompute_thin_products(graph)
 
     def uuid(self) -> bytes:  # part of inductor's cache key: changes with this file
-        return hashlib.sha256(Path(__file__).read_bytes()).digest()
+        sizes = repr((THIN, SMALL, WIDE)).encode()  # and with the sizes, should one be set
+        return hashlib.sha256(Path(__file__).read_bytes() + sizes).digest()
 
 
 def partition_keeping_random(joint: fx.GraphModule, joint_inputs, **kwargs):
