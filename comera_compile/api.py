@@ -119,8 +119,9 @@ def optimize(
     few contraction orders of each layer on first use; ``objective`` is the planner's cost
     (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes the
     wide outputs of thin (rank-bond) products in backward and keeps dropout masks as bits:
-    for the six-encoder at batch 32 on a 2-core CPU, 3.1x less training memory than dense
-    for 16-37% more step time than the default compiled step (README, "Compiled training"); a
+    for the six-encoder at batch 32 on a 2-core CPU, 3.2x less training memory than dense
+    for 5-33% more step time than the default compiled step, +18% at the median of four
+    paired runs (``benchmarks/step.py``; README, "Compiled training"); a
     number below 1 (``memory=0.05``) recomputes more, for less memory and more time.
     ``host_memory`` (compiled models on CPU): ``"cache"`` keeps
     freed blocks of 1 MiB or more by size for the next step's requests of that size,

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -134,10 +135,12 @@ class BlockCache final : public c10::Allocator {
     return true;
   }
 
-  // Unmap kept blocks that no request took in the last max_idle_ large requests.
+  // Unmap kept blocks that no request took in the last max_idle_ large requests. A size
+  // left with no kept block is forgotten, so sizes that change every step do not pile up
+  // entries for each later miss to walk.
   void drop_idle() {  // with mutex_ held
-    for (auto& entry : free_) {
-      auto& blocks = entry.second;
+    for (auto entry = free_.begin(); entry != free_.end();) {
+      auto& blocks = entry->second;
       size_t kept = 0;
       for (Block* block : blocks) {
         if (requests_ - block->freed_at > max_idle_) {
@@ -149,6 +152,7 @@ class BlockCache final : public c10::Allocator {
         }
       }
       blocks.resize(kept);
+      entry = kept ? std::next(entry) : free_.erase(entry);
     }
   }
 

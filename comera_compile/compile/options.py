@@ -21,8 +21,8 @@ HOST_MEMORY = ("cache", "reuse", "release")
 
 MEMORY_BUDGETS = {"default": 1.0, "low": 0.999}
 """``memory`` settings as AOT autograd activation budgets. Any budget below 1 recomputes
-the outputs of thin (rank-bond) matmuls and what is computed from them alone
-(``compile.recompute``) and lets the min-cut recompute long fusible chains; "low" stops
+the outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them
+alone (``compile.recompute``) and lets the min-cut recompute long fusible chains; "low" stops
 there (0.999 asks AOT autograd for nothing more). Lower budgets also recompute, by AOT
 autograd's flop-priced knapsack, layer norms, attention and the rest of each layer."""
 
