@@ -1,8 +1,9 @@
 """The two CPU kernel choices of the compiled step, each against what it replaces.
 
-1. Dropout masks: aten's ``native_dropout`` (one float draw per element, ``bernoulli_``)
-   against ``compile.dropout.keep_mask`` (four 15-bit draws per 64-bit word), on the
-   attention probabilities of one six-encoder layer at batch 32 x 128 (6.3M elements).
+1. Dropout: aten's ``native_dropout`` (one float draw per element, ``bernoulli_``) against
+   softmax + dropout compiled by inductor with aten's dropout and with
+   ``compile.dropout``'s masks hashed from element indices, on the attention probabilities
+   of one six-encoder layer at batch 32 x 128 (6.3M elements).
 2. Bond padding: a TT layer's activation matmuls ``x @ B @ C`` (forward + backward, 4096
    rows) at a rank as is and padded to ``planner.alignment.aligned_rank``; and the GFLOP/s
    of ``x @ B`` alone at the two widths.
@@ -31,7 +32,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import median_seconds, table  # noqa: E402
 
-from comera_compile.compile.dropout import keep_mask  # noqa: E402
 from comera_compile.compile.host_memory import set_host_memory  # noqa: E402
 from comera_compile.compile.reductions import SplitRowSums  # noqa: E402
 from comera_compile.machine import describe_machine  # noqa: E402
@@ -42,13 +42,31 @@ CHAINS = [(768, 30, 768), (768, 30, 3072), (3072, 30, 768), (768, 46, 768), (768
 
 
 def dropout_rows(repeats: int) -> list[list[str]]:
-    x = torch.randn(32 * 12 * 128 * 128)
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    from comera_compile.compile.dropout import decompositions
+
+    x = torch.randn(32, 12, 128, 128)
     aten = median_seconds(lambda: torch.native_dropout(x, 0.1, True), repeats)
-    bernoulli = median_seconds(lambda: torch.empty_like(x).bernoulli_(0.9), repeats)
-    ours = median_seconds(lambda: keep_mask(x.shape, 0.1, x.device), repeats)
-    return [["aten native_dropout", f"{aten * 1e3:.1f}", "1.00x"],
-            ["aten bernoulli_ (its mask)", f"{bernoulli * 1e3:.1f}", f"{aten / bernoulli:.2f}x"],
-            ["keep_mask (15-bit draws)", f"{ours * 1e3:.1f}", f"{aten / ours:.2f}x"]]
+    rows = [["aten native_dropout (eager)", f"{aten * 1e3:.1f}", "1.00x"]]
+
+    def attention_dropout(scores):
+        return F.dropout(scores.softmax(-1), 0.1, training=True)
+
+    for name, table in (("inductor: softmax + aten dropout", None),
+                        ("inductor: softmax + hashed mask", decompositions())):
+        def backend(gm, inputs, table=table):
+            return compile_fx(gm, inputs, decompositions=table,
+                              config_patches={"fallback_random": True})
+
+        with inductor_config.patch(fx_graph_cache=False):
+            torch._dynamo.reset()
+            compiled = torch.compile(attention_dropout, backend=backend)
+            compiled(x)
+            seconds = median_seconds(lambda: compiled(x), repeats)
+        rows.append([name, f"{seconds * 1e3:.1f}", f"{aten / seconds:.2f}x"])
+    return rows
 
 
 def chain_seconds(d_in: int, rank: int, d_out: int, padded: int, repeats: int) -> float:
@@ -140,7 +158,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(describe_machine())
-    print("\ndropout mask for 6.3M attention probabilities (ms, median):")
+    print("\ndropout of 6.3M attention probabilities, forward (ms, median):")
     print(table(dropout_rows(args.repeats), ["kernel", "ms", "speed-up"]))
     print(f"\nx @ B @ C, forward + backward, {ROWS} rows (ms, median):")
     print(table(padding_rows(args.repeats),

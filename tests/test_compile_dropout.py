@@ -1,5 +1,5 @@
-"""Dropout in CPU graphs: masks from 15-bit draws, same distribution and gradients as
-aten's dropout, and what the backend compiles actually uses them."""
+"""Dropout in CPU graphs: masks hashed from element indices and random keys, same
+distribution and gradients as aten's dropout, and what the backend compiles uses them."""
 
 import pytest
 import torch
@@ -18,14 +18,30 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_keep_mask_keeps_one_minus_p_of_the_elements(p):
     torch.manual_seed(0)
-    n = 1_000_003  # not a multiple of the four draws per word
+    n = 1_000_003
     keep = keep_mask(torch.Size([n]), p, torch.device("cpu"))
     assert keep.dtype == torch.bool and keep.shape == (n,)
     # binomial standard deviation sqrt(p (1-p) / n) <= 5e-4: six of them
     assert keep.float().mean().item() == pytest.approx(1 - p, abs=3e-3)
-    # each of a word's four lanes is uniform on its own (the top one has 15 random bits)
-    lanes = keep[: n - n % 4].view(-1, 4).float().mean(0)
-    torch.testing.assert_close(lanes, torch.full((4,), 1 - p), atol=5e-3, rtol=0)
+    # no structure along the index: every residue class mod 8 keeps 1 - p of its elements
+    classes = keep[: n - n % 8].view(-1, 8).float().mean(0)
+    torch.testing.assert_close(classes, torch.full((8,), 1 - p), atol=8e-3, rtol=0)
+
+
+def test_keep_masks_are_independent_between_calls_and_neighbours_and_follow_the_seed():
+    """Two calls (two dropout layers) draw uncorrelated masks, neighbouring elements are
+    uncorrelated, and ``torch.manual_seed`` reproduces a mask."""
+    n, cpu = 1 << 20, torch.device("cpu")
+    torch.manual_seed(3)
+    first, second = (keep_mask(torch.Size([n]), 0.5, cpu).float() for _ in range(2))
+    # a correlation of n independent pairs has standard deviation 1/sqrt(n) ~ 1e-3
+    assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1]) < 5e-3
+    assert abs(torch.corrcoef(torch.stack([first[:-1], first[1:]]))[0, 1]) < 5e-3
+    assert abs(torch.corrcoef(torch.stack([first[:-128], first[128:]]))[0, 1]) < 5e-3
+    torch.manual_seed(3)
+    assert torch.equal(keep_mask(torch.Size([n]), 0.5, cpu).float(), first)
+    square = keep_mask(torch.Size([512, 512]), 0.5, cpu)  # rows are not copies of each other
+    assert (square[1:] != square[:-1]).float().mean() == pytest.approx(0.5, abs=0.01)
 
 
 def test_native_dropout_scales_the_kept_values_and_matches_aten_at_the_edges():
@@ -50,9 +66,10 @@ def test_decomposition_table_holds_the_cpu_dropout():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:comera backend")
-def test_compiled_dropout_draws_15_bit_masks_with_exact_gradients():
-    """Under the backend the mask comes from aten.random (no bernoulli), keeps ~90%, and the
-    gradient is the mask scaled by 1 / (1 - p), as aten's dropout backward gives."""
+def test_compiled_dropout_hashes_masks_with_exact_gradients():
+    """Under the backend the mask is hashed from two random keys (no bernoulli, no random
+    buffer of the input's size), keeps ~90%, and the gradient is the mask scaled by
+    1 / (1 - p), as aten's dropout backward gives."""
     from torch.profiler import profile
 
     def forward(x):
@@ -66,7 +83,7 @@ def test_compiled_dropout_draws_15_bit_masks_with_exact_gradients():
         out = compiled(x)
         out.sum().backward()
     keys = {e.key for e in prof.key_averages()}
-    assert "aten::random_" in keys and "aten::bernoulli_" not in keys
+    assert "aten::randint" in keys and "aten::bernoulli_" not in keys
     keep = out != 0
     assert keep.float().mean().item() == pytest.approx(0.9, abs=0.01)
     torch.testing.assert_close(out, x.detach() * keep * 2.0 / 0.9)
@@ -110,30 +127,31 @@ def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slo
     assert isinstance(config["post_grad_custom_post_pass"], Mine) and table is None
 
 
-def test_low_memory_saves_the_boolean_mask_not_the_words_it_came_from():
-    """The partitioner keeps what ``save_random_values`` marks: the one-byte mask the
-    forward and backward read, not the 64-bit draws (2.7 bytes per element) behind it."""
+def test_hashed_masks_keep_their_keys_and_per_element_draws_keep_their_mask():
+    """``save_random_values`` saves the two keys of a hashed mask and marks the mask
+    recomputed (nothing of the input's size is stored); for aten's dropout and for draws
+    of one number per element it saves the smallest value read elsewhere, the mask."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils.checkpoint import CheckpointPolicy
 
     from comera_compile.compile.recompute import save_random_values
 
-    def marked(fn):
-        graph = make_fx(fn)(torch.randn(6, 10)).graph
+    def marked(fn, shape, policy=CheckpointPolicy.MUST_SAVE):
+        graph = make_fx(fn)(torch.randn(shape)).graph
         save_random_values(graph)
-        return {n.target for n in graph.nodes
-                if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE}
+        return {n.target for n in graph.nodes if n.meta.get("recompute") == policy}
 
-    ours = marked(lambda x: native_dropout(x, 0.1, True))
-    assert ours == {torch.ops.aten.ge.Scalar}  # the mask
-    atens = marked(lambda x: torch.ops.aten.native_dropout.default(x, 0.1, True))
+    ours = lambda x: native_dropout(x, 0.1, True)  # noqa: E731
+    assert marked(ours, (6, 10)) == {torch.ops.aten.randint.low}  # the keys
+    assert torch.ops.aten.ge.Scalar in marked(ours, (6, 10), CheckpointPolicy.MUST_RECOMPUTE)
+    atens = marked(lambda x: torch.ops.aten.native_dropout.default(x, 0.1, True), (6, 10))
     assert atens == {torch.ops.aten.native_dropout.default}  # a random node of the input
+    drawn = marked(lambda x: x * (torch.rand(x.shape) >= 0.1), (600, 500))  # 1.2 MB drawn
+    assert drawn == {torch.ops.aten.ge.Scalar}  # the one-byte mask, not the 4-byte draws
 
 
-def test_low_memory_keeps_dropout_masks_as_bits_and_the_gradients_exact():
-    """Under a memory budget the mask lives from forward to backward as one byte per eight
-    elements (``pack_saved_masks``), and the gradient is still the forward's mask times the
-    scale, element for element (a wrong bit would zero or keep the wrong gradient)."""
+def _saved_and_compiled(fn):
+    """``fn`` under AOT autograd at a low budget; the values its forward saves."""
     from functorch.compile import aot_function, make_boxed_func
 
     from comera_compile.compile.recompute import partition_keeping_random
@@ -145,17 +163,37 @@ def test_low_memory_keeps_dropout_masks_as_bits_and_the_gradients_exact():
         saved.extend(n.meta["val"] for n in outputs[1:])
         return make_boxed_func(graph.forward)
 
-    def fn(x):
-        return native_dropout(x * 3.0, 0.25, True)[0]
+    compiled = aot_function(fn, fw_compiler=forward_compiler,
+                            bw_compiler=lambda g, _: make_boxed_func(g.forward),
+                            partition_fn=partition_keeping_random)
+    return saved, compiled
 
-    x = torch.randn(5, 37, requires_grad=True)  # 185 elements: the last byte is padded
+
+def test_low_memory_keeps_only_the_keys_of_hashed_masks_and_the_gradients_exact():
+    """The hashed mask lives from forward to backward as its two keys, and backward's
+    rehashed mask is the forward's, element for element (a wrong element would zero or keep
+    the wrong gradient)."""
+    saved, compiled = _saved_and_compiled(lambda x: native_dropout(x * 3.0, 0.25, True)[0])
+    x = torch.randn(5, 37, requires_grad=True)
     with torch._functorch.config.patch(activation_memory_budget=0.05):
-        compiled = aot_function(fn, fw_compiler=forward_compiler,
-                                bw_compiler=lambda g, _: make_boxed_func(g.forward),
-                                partition_fn=partition_keeping_random)
         out = compiled(x)
-    assert [(v.dtype, v.numel()) for v in saved] == [(torch.uint8, 24)]  # ceil(185 / 8)
+    assert [(v.dtype, v.numel()) for v in saved] == [(torch.int32, 2)]
     out.backward(torch.ones_like(out))
     kept = out != 0
     assert 0.6 < kept.float().mean() < 0.9
+    torch.testing.assert_close(x.grad, kept * 3.0 / 0.75)
+
+
+def test_low_memory_keeps_per_element_masks_as_bits_and_the_gradients_exact():
+    """A mask drawn one number per element lives as one byte per eight elements
+    (``pack_saved_masks``), and the gradient is still the forward's mask."""
+    saved, compiled = _saved_and_compiled(
+        lambda x: x * 3.0 * (torch.rand(x.shape) >= 0.25) / 0.75)
+    x = torch.randn(513, 601, requires_grad=True)  # 308313 elements: the last byte padded
+    with torch._functorch.config.patch(activation_memory_budget=0.05):
+        out = compiled(x)
+    assert [(v.dtype, v.numel()) for v in saved] == [(torch.uint8, 38540)]  # ceil(n / 8)
+    out.backward(torch.ones_like(out))
+    kept = out != 0
+    assert 0.7 < kept.float().mean() < 0.8
     torch.testing.assert_close(x.grad, kept * 3.0 / 0.75)

@@ -17,11 +17,14 @@ holds one recognisable node per tensorized layer. The backend
    trees; a new region or a pruned rank is a new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
    costs more CPU time there (558 vs 446 ms per step of a 2-layer six-encoder at batch
-   8, one thread), and draws dropout masks from 15-bit numbers (``compile.dropout``):
-   a quarter of the random-number cost of aten's float draws. The masks are alike in
-   distribution, not identical to eager's.
+   8, one thread), and hashes dropout masks from element indices and two random keys per
+   call (``compile.dropout``): computed inside the kernel that applies them, on every
+   core, with no random buffer. The masks are alike in distribution, not identical to
+   eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
-   (``compile.recompute``): a recomputed dropout would draw a new mask.
+   (``compile.recompute``): a recomputed dropout would draw a new mask. On CPU, at every
+   budget, it saves the keys of the hashed masks and marks the masks recomputed: backward
+   rehashes each one in its own kernel and no mask is stored.
 5. on CPU, keeps freed large blocks by size for the next step's requests of that size
    (``compile.host_memory``, the block cache): otherwise every step maps its large
    activations anew and pays a page fault per 4 KiB page. Where the cache cannot be built,
@@ -192,10 +195,12 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         cuda = _on_cuda(example_inputs)
         cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
         config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
-        if opts.memory < 1 and "joint_custom_pre_pass" not in config:
-            config["joint_custom_pre_pass"] = SaveRandomValues()  # same dropout masks in backward
+        if "joint_custom_pre_pass" not in config and (opts.memory < 1 or not cuda):
+            # the forward's dropout masks in backward; on CPU, hashed masks are recomputed
+            config["joint_custom_pre_pass"] = SaveRandomValues(low_memory=opts.memory < 1)
         # On CPU, inductor's own dropout RNG is slower than aten's: aten's random numbers,
-        # and dropout masks from 15-bit draws (compile.dropout), whose tag keys the caches.
+        # and dropout masks hashed from element indices (compile.dropout); its tag keys the
+        # caches.
         config.setdefault("fallback_random", not cuda)
         decompositions = None
         if not cuda and "post_grad_custom_post_pass" not in config:

@@ -1,17 +1,19 @@
-"""Dropout for CPU graphs: each mask element from a 15-bit draw instead of a float one.
+"""Dropout for CPU graphs: each mask element hashed from its index and a per-call key.
 
 On CPU, aten's dropout draws one float per element (``bernoulli_``) from the serial
-Mersenne Twister: 44 ms for the mask of the 6.3M attention probabilities of one
-six-encoder layer at batch 32 x 128 on one core, more than both of the layer's attention
-matmuls together. Drawing 64-bit words and reading each as four 15-bit draws
-(``aten.random`` on int64) makes the same mask in 13.5 ms run op by op
-(``python benchmarks/kernels.py``), and under inductor the compare and scale fuse into the
-kernel around it.
+Mersenne Twister, on one core: for the 6.3M attention probabilities of one six-encoder
+layer at batch 32 x 128 that costs more than both of the layer's attention matmuls.
+Here each call draws two 32-bit keys from torch's generator (so ``torch.manual_seed``
+still fixes the masks), and element ``i`` keeps its value when a counter-based hash of
+``(i, keys)`` (two rounds of murmur3's 32-bit finalizer, keyed between them) clears a
+threshold. The hash is integer arithmetic on the element's index, so inductor computes
+it inside the kernel that applies the mask, vectorized and on every core: no random
+buffer is written or read (``python benchmarks/kernels.py``).
 
-The keep probability is ``1 - round(p * 32768) / 32768`` (within 1.6e-5 of ``1 - p``); the
+The keep probability is ``1 - round(p * 2^24) / 2^24`` (within 6e-8 of ``1 - p``); the
 kept values are scaled by ``1 / (1 - p)`` as aten does, so the mask and scale match what
-``native_dropout_backward`` applies, and the expected output is the input within 2e-5
-(relative). The masks are of course other draws than eager's.
+``native_dropout_backward`` applies. The masks are of course other draws than eager's.
+Arithmetic wraps at 32 bits, as torch's int32 arithmetic does.
 
 The backend hands :func:`decompositions` to AOT autograd for CPU graphs. AOT autograd's
 cache does not see decomposition tables, so :class:`DropoutTag` (a post-grad pass that
@@ -22,6 +24,7 @@ dropout is never served for this one, or the other way round.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import torch
@@ -30,30 +33,36 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 aten = torch.ops.aten
 
-LEVELS = 1 << 15  # each draw: the low 15 bits of a 16-bit lane
-LANES = 4  # 16-bit lanes per 64-bit word; the top one lacks the sign bit, hence 15 bits
+BITS = 24  # hash bits compared with the threshold
+WEYL = -1640531535  # 0x9E3779B1 as int32: spreads consecutive indices over the 32 bits
+FMIX = (-2048144789, -1028477387)  # murmur3 fmix32's 0x85EBCA6B, 0xC2B2AE35 as int32
+
+
+def _shift_right(h: Tensor, bits: int) -> Tensor:
+    """A logical right shift of int32 lanes (torch's ``>>`` is arithmetic)."""
+    return (h >> bits) & ((1 << (32 - bits)) - 1)
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    h = h ^ _shift_right(h, 16)
+    h = h * FMIX[0]
+    h = h ^ _shift_right(h, 13)
+    h = h * FMIX[1]
+    return h ^ _shift_right(h, 16)
 
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
-    """A boolean mask whose elements are True with probability ``1 - round(p*2^15)/2^15``.
+    """A boolean mask whose elements are True with probability ``1 - round(p*2^24)/2^24``.
 
-    Element ``i`` reads lane ``i`` of the words viewed as int16, so the compare runs in
-    the same vectorized loop as the ops around it (no division to find a lane). The words
-    are laid out along the last dimension only (``ceil(last / 4)`` words per row), so a
-    symbolic batch dimension stays symbolic: no arithmetic on the element count, no
-    shape guard that would pin the graph to one batch size."""
-    if len(shape) == 0:
-        return keep_mask(torch.Size([1]), p, device).reshape(())
-    *lead, last = shape
-    if not isinstance(last, int):  # a symbolic last dimension: one 15-bit draw per element
-        draws = aten.random.default(torch.empty(shape, dtype=torch.int16, device=device))
-        return draws >= round(p * LEVELS)
-    words = torch.empty((*lead, -(-last // LANES)), dtype=torch.int64, device=device)
-    words = aten.random.default(words)  # uniform in [0, 2^63): 15 uniform bits per lane
-    draws = words.view(torch.int16)
-    if draws.shape[-1] != last:
-        draws = draws[..., :last]
-    return torch.bitwise_and(draws, LEVELS - 1) >= round(p * LEVELS)
+    Two keys per call from torch's generator; element ``i`` (row-major index, modulo
+    2^32: a tensor of more than 4G elements repeats its mask) hashes ``i`` with them. The
+    index is an ``arange`` over the element count, so a symbolic batch dimension stays
+    symbolic: no shape guard pins the graph to one batch size."""
+    keys = torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, device=device)
+    index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
+    h = _fmix32(index.to(torch.int32) * WEYL + keys[0])  # the low 32 bits of the index
+    h = _fmix32(h ^ keys[1])
+    return (h & ((1 << BITS) - 1)) >= round(p * (1 << BITS))
 
 
 def native_dropout(input: Tensor, p: float, train: bool | None) -> tuple[Tensor, Tensor]:

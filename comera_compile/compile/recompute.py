@@ -22,11 +22,13 @@ With an activation memory budget below 1 (``memory="low"``), AOT autograd's min-
 partitioner may lift its own ban on recomputing random ops (dropout) to meet the budget.
 On CPU nothing replays the random stream, so the backward would draw a *new* dropout mask
 and compute gradients of a forward that never ran. Marking the random values ``MUST_SAVE``
-in the joint graph, before partitioning, keeps each dropout mask and lets the budget
-recompute everything around it. :func:`pack_saved_masks` then keeps each boolean mask as
-bits (one byte per eight elements, not one per element). ``python benchmarks/saved.py``
-prints the effect on the six-encoder at batch 32 x 128: the masks take 75.0 MB as bytes
-(the default setting), 9.4 MB as bits at budget 0.05.
+in the joint graph, before partitioning, keeps each dropout's randomness and lets the
+budget recompute everything around it. The CPU dropout of ``compile.dropout`` draws only
+two keys per call and hashes the mask from them, so its keys are kept and its mask is
+recomputed in backward (no mask is stored; the backend marks this at every budget on
+CPU). A mask drawn per element is kept instead, as bits (:func:`pack_saved_masks`: one
+byte per eight elements, not one per element). ``python benchmarks/saved.py`` prints what
+each setting keeps on the six-encoder at batch 32 x 128.
 """
 
 from __future__ import annotations
@@ -118,28 +120,42 @@ def is_random(node: fx.Node) -> bool:
     return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
 
 
-def _fixed(node: fx.Node) -> bool:
-    """A value that depends on no input of the graph (a fresh buffer, a constant)."""
-    return node.op == "get_attr" or (node.op == "call_function" and not node.all_input_nodes)
-
-
 def save_random_values(graph: fx.Graph) -> int:
-    """Mark a joint graph's random values as saved for backward; returns how many.
+    """Mark a joint graph's random values; returns how many were marked saved.
 
-    A random value is a random node, or a node computed from random draws alone (the
-    boolean mask that ``compile.dropout`` derives from 64-bit words). What is marked is
-    each such value that something else reads, i.e. the mask rather than the words it came
-    from: the smallest form, and the draws themselves are then never needed again."""
+    A random value is a random node, or a node computed from random draws and fixed values
+    alone. Two cases:
+
+    * drawn from **keys** (a random node under :data:`SMALL` bytes, such as the two keys
+      per call that ``compile.dropout`` hashes each element's index with): the keys are
+      saved and everything computed from them (the mask) is marked recomputed, so no mask
+      is stored at all and backward rehashes it inside its own kernel;
+    * drawn **per element** (aten's ``bernoulli``, ``rand``): each such value that
+      something else reads is saved, i.e. the mask rather than the draws it came from,
+      the smallest form (then kept as bits by :func:`pack_saved_masks`)."""
+    fixed: set[fx.Node] = set()  # computed from no graph input: constants, an arange
     derived: set[fx.Node] = set()  # computed from random draws and fixed values only
+    keyed: set[fx.Node] = set()  # ... from small random draws (keys) and fixed values only
     for node in graph.nodes:
         inputs = node.all_input_nodes
-        pure = node.op == "call_function" and all(a in derived or _fixed(a) for a in inputs)
+        if node.op == "get_attr" or (node.op == "call_function" and not is_random(node)
+                                     and all(a in fixed for a in inputs)):
+            fixed.add(node)
+            continue
+        pure = node.op == "call_function" and all(a in derived or a in fixed for a in inputs)
         if pure and (is_random(node) or any(a in derived for a in inputs)):
             derived.add(node)
+            if (is_random(node) and _nbytes(node) < SMALL) or (
+                not is_random(node) and all(a in keyed or a in fixed for a in inputs)
+            ):
+                keyed.add(node)
     count = 0
     for node in graph.nodes:
         read_elsewhere = any(user not in derived for user in node.users)
-        if (node in derived and read_elsewhere) or (is_random(node) and node not in derived):
+        if node in keyed and not is_random(node):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        elif (node in keyed or (node in derived and read_elsewhere)
+              or (is_random(node) and node not in derived)):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             count += 1
     return count
@@ -205,16 +221,20 @@ def pack_saved_masks(graph: fx.Graph) -> int:
 
 
 class SaveRandomValues(CustomGraphPass):
-    """:func:`save_random_values`, :func:`pack_saved_masks` and
-    :func:`recompute_thin_products` as inductor's ``joint_custom_pre_pass``."""
+    """Inductor's ``joint_custom_pre_pass``: :func:`save_random_values`; with
+    ``low_memory``, then :func:`pack_saved_masks` and :func:`recompute_thin_products`."""
+
+    def __init__(self, low_memory: bool = True) -> None:
+        self.low_memory = low_memory
 
     def __call__(self, graph: fx.Graph) -> None:
         save_random_values(graph)
-        pack_saved_masks(graph)
-        recompute_thin_products(graph)
+        if self.low_memory:
+            pack_saved_masks(graph)
+            recompute_thin_products(graph)
 
     def uuid(self) -> bytes:  # part of inductor's cache key: changes with this file
-        sizes = repr((THIN, SMALL, WIDE)).encode()  # and with the sizes, should one be set
+        sizes = repr((THIN, SMALL, WIDE, self.low_memory)).encode()  # and with the settings
         return hashlib.sha256(Path(__file__).read_bytes() + sizes).digest()
 
 
