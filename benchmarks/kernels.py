@@ -54,17 +54,17 @@ def dropout_rows(repeats: int) -> list[list[str]]:
     def attention_dropout(scores):
         return F.dropout(scores.softmax(-1), 0.1, training=True)
 
-    for name, table in (("inductor: softmax + aten dropout", None),
-                        ("inductor: softmax + hashed mask", decompositions())):
-        def backend(gm, inputs, table=table):
-            return compile_fx(gm, inputs, decompositions=table,
+    for name, decomposed in (("inductor: softmax + aten dropout", None),
+                             ("inductor: softmax + hashed mask", decompositions())):
+        def backend(gm, inputs, decomposed=decomposed):
+            return compile_fx(gm, inputs, decompositions=decomposed,
                               config_patches={"fallback_random": True})
 
         with inductor_config.patch(fx_graph_cache=False):
             torch._dynamo.reset()
             compiled = torch.compile(attention_dropout, backend=backend)
             compiled(x)
-            seconds = median_seconds(lambda: compiled(x), repeats)
+            seconds = median_seconds(lambda compiled=compiled: compiled(x), repeats)
         rows.append([name, f"{seconds * 1e3:.1f}", f"{aten / seconds:.2f}x"])
     return rows
 
