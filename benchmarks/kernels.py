@@ -10,7 +10,10 @@
 3. Inductor's generated CPU loops against aten's kernels for the same math on a
    4096 x 3072 activation: GELU, GELU backward, and a sum over rows (a bias gradient);
    and inductor with ``compile.reductions``' row sums in blocks (the backend's CPU pass).
-4. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
+4. Matmul orientation: a thin weight gradient ``h.T @ dy`` (``h`` of 4096 x rank) as
+   written and as its transposed problem ``(dy.T @ h).T`` (``compile.matmul_orientation``);
+   each over eight operand pairs in turn, so the operands come from memory as in a step.
+5. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
    six-encoder layer allocates at batch 32 x 128) with freed blocks released at once,
    which maps each such block anew, with ``compile.host_memory`` reuse (glibc's heap) and
    with its block cache; minor page faults per call next to the time. Runs last: the
@@ -126,6 +129,24 @@ def inductor_rows(repeats: int) -> list[list[str]]:
     return rows
 
 
+def orientation_rows(repeats: int) -> list[list[str]]:
+    from comera_compile.compile.matmul_orientation import MAX_ROWS
+
+    rows = []
+    for rank, width in ((16, 768), (32, 768), (32, 1536), (32, 3072), (64, 768)):
+        pairs = [(torch.randn(ROWS, rank), torch.randn(ROWS, width)) for _ in range(8)]
+
+        def each(fn, pairs=pairs):
+            return lambda: [fn(h, dy) for h, dy in pairs]
+
+        written = median_seconds(each(lambda h, dy: h.T @ dy), repeats) / len(pairs)
+        turned = median_seconds(each(lambda h, dy: (dy.T @ h).T), repeats) / len(pairs)
+        rows.append([f"{rank} x {ROWS} x {width}", f"{written * 1e3:.2f}",
+                     f"{turned * 1e3:.2f}", f"{written / turned:.2f}x",
+                     "yes" if rank <= MAX_ROWS else "no"])
+    return rows
+
+
 def host_memory_rows(repeats: int) -> list[list[str]]:
     """Each allocator from a trimmed heap (so no setting serves another's freed blocks),
     warmed up, then timed; the page faults are those of the timed calls only."""
@@ -165,6 +186,9 @@ def main() -> None:
                 ["chain", "rank", "as is", "padded", "speed-up", "padded by default"]))
     print("\nsgemm alone:")
     print(table(gflops_rows(args.repeats), ["product", "GFLOP/s"]))
+    print("\nthin weight gradient h.T @ dy, as written and transposed (ms, median):")
+    print(table(orientation_rows(args.repeats),
+                ["m x k x n", "h.T @ dy", "(dy.T @ h).T", "speed-up", "turned by the backend"]))
     print(f"\naten vs inductor on a {ROWS} x 3072 activation (ms, median; host memory reused):")
     set_host_memory("reuse")
     print(table(inductor_rows(args.repeats),

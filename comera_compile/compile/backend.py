@@ -33,7 +33,9 @@ holds one recognisable node per tensorized layer. The backend
    compiler freed back to the OS too.
 6. on CPU, splits the backward's sums over many rows (bias and LayerNorm gradients)
    into sums over blocks of rows (``compile.reductions``): inductor's one-pass loop for
-   them takes three times aten's time.
+   them takes three times aten's time; and turns thin weight-gradient matmuls
+   (``h.T @ dy`` with a rank-wide ``h``) into their transposed problem, which MKL runs
+   faster (``compile.matmul_orientation``).
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
 first call of a new batch bucket can take tens of seconds on CPU); to see it::
@@ -61,9 +63,9 @@ from comera_compile.compile.host_memory import (
     release_free_heap,
     set_host_memory,
 )
+from comera_compile.compile.matmul_orientation import CpuPostGradPasses
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
-from comera_compile.compile.reductions import SplitRowSums
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
 log = logging.getLogger("comera_compile")
@@ -206,8 +208,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         if not cuda and "post_grad_custom_post_pass" not in config:
             config["post_grad_custom_post_pass"] = DropoutTag()
             decompositions = dropout_decompositions(config["fallback_random"])
-        if not cuda:  # bias and LayerNorm gradients: row sums in blocks (compile.reductions)
-            config.setdefault("post_grad_custom_pre_pass", SplitRowSums())
+        if not cuda:  # row sums in blocks (compile.reductions), thin matmuls turned around
+            config.setdefault("post_grad_custom_pre_pass", CpuPostGradPasses())
         return compile_fx(gm, example_inputs, config_patches=config,
                           decompositions=decompositions,
                           inner_compile=_compile_then_release(cuda))

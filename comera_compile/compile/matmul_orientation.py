@@ -1,0 +1,92 @@
+"""Weight gradients of thin factors, computed in the orientation MKL runs fastest (CPU).
+
+A TT layer's backward multiplies a thin activation's transpose by a wide gradient:
+``dB = h.T @ dy`` with ``h`` of 4096 x 32 and ``dy`` of 4096 x 768. MKL's sgemm runs this
+shape (a few output rows, a long reduction) well below the transposed problem
+``(dy.T @ h).T``, which has the same multiply-adds: on a 2-core AMD EPYC, 32 x 4096 x 768
+takes 2.35 ms one way and 1.72 ms the other. Every thin side from 16 to 64 gains or
+breaks even up to a width of 2048; at 32 x 4096 x 3072 the transposed problem is slower
+(``python benchmarks/kernels.py``, matmul section). The result is the same up to float
+rounding (another summation order inside the kernel).
+
+:func:`orient_thin_matmuls` rewrites ``mm(a, b)`` into ``mm(b.T, a.T).T`` where ``a`` is a
+transposed view with at most ``MAX_ROWS`` rows, the reduction is at least ``MIN_DEPTH``
+long and ``b`` is ``MIN_WIDTH`` to ``MAX_WIDTH`` wide; the backend runs it on CPU graphs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensor
+
+from comera_compile.compile import reductions
+from comera_compile.compile.graph_nodes import call_with_value
+
+aten = torch.ops.aten
+
+MAX_ROWS = 64  # the thin side: a rank, a factor's width
+MIN_DEPTH = 1024  # the reduction: rows of activations (batch x sequence)
+MIN_WIDTH = 256  # the wide side: a layer's width ...
+MAX_WIDTH = 2048  # ... up to here (at 3072 the transposed problem is slower)
+
+
+def orient_thin_matmuls(graph: fx.Graph) -> int:
+    """Rewrite each thin-by-wide weight-gradient matmul as its transposed problem; returns
+    how many were rewritten."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.mm.default:
+            continue
+        left, right = node.args
+        if not _thin_by_wide(left, right):
+            continue
+        mode = left.meta["val"].fake_mode
+        with graph.inserting_before(node):
+            left_t = call_with_value(graph, mode, aten.permute.default, left, [1, 0])
+            right_t = call_with_value(graph, mode, aten.permute.default, right, [1, 0])
+            swapped = call_with_value(graph, mode, aten.mm.default, right_t, left_t)
+            result = call_with_value(graph, mode, aten.permute.default, swapped, [1, 0])
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+def _thin_by_wide(left, right) -> bool:
+    """``left`` (m x k) is the transpose of a contiguous tensor, ``right`` (k x n) is
+    contiguous, with static sizes m <= MAX_ROWS, k >= MIN_DEPTH, MIN_WIDTH <= n <= MAX_WIDTH."""
+    if not (isinstance(left, fx.Node) and isinstance(right, fx.Node)):
+        return False
+    a, b = left.meta.get("val"), right.meta.get("val")
+    if not (isinstance(a, FakeTensor) and isinstance(b, FakeTensor)):
+        return False
+    if a.dim() != 2 or b.dim() != 2 or a.dtype not in (torch.float32, torch.float64):
+        return False
+    sizes = (*a.shape, b.shape[1])
+    if not all(isinstance(s, int) for s in sizes):
+        return False  # a symbolic row count: the graph serves sizes this was not measured at
+    m, k, n = sizes
+    transposed = a.stride() == (1, m)
+    return (transposed and b.is_contiguous() and m <= MAX_ROWS and k >= MIN_DEPTH
+            and MIN_WIDTH <= n <= MAX_WIDTH)
+
+
+class CpuPostGradPasses(CustomGraphPass):
+    """Inductor's post-grad pass slot for CPU graphs: row sums in blocks
+    (:func:`~comera_compile.compile.reductions.split_row_sums`), then
+    :func:`orient_thin_matmuls`. Its uuid (both files' hashes) keys inductor's caches."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        reductions.split_row_sums(graph)
+        orient_thin_matmuls(graph)
+
+    def uuid(self) -> bytes:
+        digest = hashlib.sha256()
+        for module in (__file__, reductions.__file__):
+            digest.update(Path(module).read_bytes())
+        return digest.digest()

@@ -1,0 +1,68 @@
+"""Thin weight-gradient matmuls as their transposed problem (compile.matmul_orientation)."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import comera_compile.compile.matmul_orientation as orientation
+from comera_compile.nn import TTLinear
+
+aten = torch.ops.aten
+
+
+def _traced(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def _mm_shapes(gm):
+    return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target is aten.mm.default]
+
+
+@pytest.mark.parametrize("m, k, n", [(16, 1024, 256), (32, 2048, 768), (64, 1024, 300)])
+def test_thin_weight_gradient_is_computed_transposed_with_the_same_values(m, k, n):
+    h, dy = torch.randn(k, m, dtype=torch.float64), torch.randn(k, n, dtype=torch.float64)
+    gm = _traced(lambda a, b: a.t() @ b, h, dy)
+    assert orientation.orient_thin_matmuls(gm.graph) == 1
+    gm.recompile()
+    assert _mm_shapes(gm) == [(n, m)]  # the wide side now gives the rows
+    out = gm(h, dy)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, h.t() @ dy, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "fn, a, b",
+    [
+        (lambda a, b: a @ b, torch.randn(32, 2048), torch.randn(2048, 768)),  # not transposed
+        (lambda a, b: a.t() @ b, torch.randn(512, 32), torch.randn(512, 768)),  # short reduction
+        (lambda a, b: a.t() @ b, torch.randn(2048, 128), torch.randn(2048, 768)),  # not thin
+        (lambda a, b: a.t() @ b, torch.randn(2048, 32), torch.randn(2048, 64)),  # not wide
+        (lambda a, b: a.t() @ b, torch.randn(2048, 32), torch.randn(2048, 3072)),  # too wide
+        (lambda a, b: a.t() @ b.t(), torch.randn(2048, 32), torch.randn(768, 2048)),  # b.T
+        (lambda a, b: a.t() @ b, torch.randint(0, 9, (2048, 32)), torch.randint(0, 9, (2048, 768))),
+    ],
+)
+def test_other_matmuls_are_left_alone(fn, a, b):
+    gm = _traced(fn, a, b)
+    assert orientation.orient_thin_matmuls(gm.graph) == 0
+
+
+def test_compiled_cpu_training_turns_tt_weight_gradients_and_matches_eager(monkeypatch):
+    calls = []
+    original = orientation.orient_thin_matmuls
+    monkeypatch.setattr(orientation, "orient_thin_matmuls",
+                        lambda graph: calls.append(original(graph)) or calls[-1])
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TTLinear(64, 512, ranks=8), torch.nn.GELU(),
+                                TTLinear(512, 256, ranks=8))
+    x = torch.randn(2048, 64)
+    model(x).square().mean().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with torch._inductor.config.patch(force_disable_caches=True):  # the pass must run
+        torch.compile(model, backend="comera")(x).square().mean().backward()
+    assert sum(calls) >= 1  # the 8 x 2048 x 512 gradient of the first layer's output factor
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    torch._dynamo.reset()
