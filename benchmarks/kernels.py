@@ -130,7 +130,7 @@ def inductor_rows(repeats: int) -> list[list[str]]:
 
 
 def orientation_rows(repeats: int) -> list[list[str]]:
-    from comera_compile.compile.matmul_orientation import MAX_ROWS
+    from comera_compile.compile.matmul_orientation import worth_turning
 
     rows = []
     for rank, width in ((16, 768), (32, 768), (32, 1536), (32, 3072), (64, 768)):
@@ -143,7 +143,7 @@ def orientation_rows(repeats: int) -> list[list[str]]:
         turned = median_seconds(each(lambda h, dy: (dy.T @ h).T), repeats) / len(pairs)
         rows.append([f"{rank} x {ROWS} x {width}", f"{written * 1e3:.2f}",
                      f"{turned * 1e3:.2f}", f"{written / turned:.2f}x",
-                     "yes" if rank <= MAX_ROWS else "no"])
+                     "yes" if worth_turning(rank, ROWS, width) else "no"])
     return rows
 
 
