@@ -95,3 +95,17 @@ def train_steps(model, opt, trainer, x: Tensor, y: Tensor, steps: int) -> None:
         loss.backward()
         opt.step()
         trainer.step()
+
+
+def assert_compiled_gradients_match_eager(model: nn.Module, x: Tensor) -> None:
+    """One backward of ``model(x).square().mean()`` in eager, then through the comera backend
+    with inductor's caches off (so every graph pass runs); the gradients must agree."""
+    torch._dynamo.reset()
+    model(x).square().mean().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        torch.compile(model, backend="comera")(x).square().mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    torch._dynamo.reset()

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from models import assert_compiled_gradients_match_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import comera_compile.compile.matmul_orientation as orientation
@@ -52,17 +53,8 @@ def test_compiled_cpu_training_turns_tt_weight_gradients_and_matches_eager(monke
     original = orientation.orient_thin_matmuls
     monkeypatch.setattr(orientation, "orient_thin_matmuls",
                         lambda graph: calls.append(original(graph)) or calls[-1])
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(TTLinear(64, 512, ranks=8), torch.nn.GELU(),
                                 TTLinear(512, 256, ranks=8))
-    x = torch.randn(2048, 64)
-    model(x).square().mean().backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    with torch._inductor.config.patch(force_disable_caches=True):  # the pass must run
-        torch.compile(model, backend="comera")(x).square().mean().backward()
+    assert_compiled_gradients_match_eager(model, torch.randn(2048, 64))
     assert sum(calls) >= 1  # the 8 x 2048 x 512 gradient of the first layer's output factor
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    torch._dynamo.reset()

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from models import assert_compiled_gradients_match_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import comera_compile.compile.reductions as reductions
@@ -61,17 +62,8 @@ def test_compiled_cpu_training_splits_bias_gradients_and_matches_eager(monkeypat
     original = reductions.split_row_sums
     monkeypatch.setattr(reductions, "split_row_sums",
                         lambda graph, *a: calls.append(original(graph, *a)) or calls[-1])
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(TTLinear(64, 96, ranks=4), torch.nn.GELU(),
                                 torch.nn.LayerNorm(96), TTLinear(96, 32, ranks=4))
-    x = torch.randn(2048, 64)
-    model(x).square().mean().backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    with torch._inductor.config.patch(force_disable_caches=True):  # the pass must run
-        torch.compile(model, backend="comera")(x).square().mean().backward()
+    assert_compiled_gradients_match_eager(model, torch.randn(2048, 64))
     assert sum(calls) >= 3  # two TT biases and the LayerNorm's weight and bias
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    torch._dynamo.reset()
