@@ -21,14 +21,14 @@ def _mm_shapes(gm):
 
 @pytest.mark.parametrize("m, k, n", [(16, 1024, 256), (32, 2048, 768), (64, 1024, 300)])
 def test_thin_weight_gradient_is_computed_transposed_with_the_same_values(m, k, n):
-    h, dy = torch.randn(k, m, dtype=torch.float64), torch.randn(k, n, dtype=torch.float64)
+    h, dy = torch.randn(k, m), torch.randn(k, n)  # float32: the only dtype it turns
     gm = _traced(lambda a, b: a.t() @ b, h, dy)
     assert orientation.orient_thin_matmuls(gm.graph) == 1
     gm.recompile()
     assert _mm_shapes(gm) == [(n, m)]  # the wide side now gives the rows
     out = gm(h, dy)
     assert out.shape == (m, n)
-    torch.testing.assert_close(out, h.t() @ dy, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, h.t() @ dy, rtol=1e-5, atol=1e-4)  # summation order
 
 
 @pytest.mark.parametrize(
@@ -41,6 +41,8 @@ def test_thin_weight_gradient_is_computed_transposed_with_the_same_values(m, k, 
         (lambda a, b: a.t() @ b, torch.randn(2048, 32), torch.randn(2048, 3072)),  # too wide
         (lambda a, b: a.t() @ b.t(), torch.randn(2048, 32), torch.randn(768, 2048)),  # b.T
         (lambda a, b: a.t() @ b, torch.randint(0, 9, (2048, 32)), torch.randint(0, 9, (2048, 768))),
+        (lambda a, b: a.t() @ b, torch.randn(2048, 32, dtype=torch.float64),
+         torch.randn(2048, 768, dtype=torch.float64)),  # dgemm runs it faster as written
     ],
 )
 def test_other_matmuls_are_left_alone(fn, a, b):

@@ -46,16 +46,20 @@ first call of a new batch bucket can take tens of seconds on CPU); to see it::
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from comera_compile.compile import matmul_orientation, reductions
 from comera_compile.compile.dropout import DropoutTag
 from comera_compile.compile.dropout import decompositions as dropout_decompositions
 from comera_compile.compile.host_memory import (
@@ -63,7 +67,6 @@ from comera_compile.compile.host_memory import (
     release_free_heap,
     set_host_memory,
 )
-from comera_compile.compile.matmul_orientation import CpuPostGradPasses
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
@@ -213,6 +216,22 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         return compile_fx(gm, example_inputs, config_patches=config,
                           decompositions=decompositions,
                           inner_compile=_compile_then_release(cuda))
+
+
+class CpuPostGradPasses(CustomGraphPass):
+    """Inductor's post-grad pass slot for CPU graphs: row sums in blocks
+    (``compile.reductions``), then thin weight-gradient matmuls turned around
+    (``compile.matmul_orientation``). Its uuid (both files' hashes) keys inductor's caches."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        reductions.split_row_sums(graph)
+        matmul_orientation.orient_thin_matmuls(graph)
+
+    def uuid(self) -> bytes:
+        digest = hashlib.sha256()
+        for module in (reductions, matmul_orientation):
+            digest.update(Path(module.__file__).read_bytes())
+        return digest.digest()
 
 
 def _compile_then_release(cuda: bool):
