@@ -12,7 +12,8 @@
    and inductor with ``compile.reductions``' row sums in blocks (the backend's CPU pass).
 4. Matmul orientation: a thin weight gradient ``h.T @ dy`` (``h`` of 4096 x rank) as
    written and as its transposed problem ``(dy.T @ h).T`` (``compile.matmul_orientation``);
-   each over eight operand pairs in turn, so the operands come from memory as in a step.
+   each over eight operand pairs in turn, so the operands come from memory as in a step;
+   one float64 row (dgemm, which the backend leaves as written).
 5. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
    six-encoder layer allocates at batch 32 x 128) with freed blocks released at once,
    which maps each such block anew, with ``compile.host_memory`` reuse (glibc's heap) and
@@ -133,17 +134,21 @@ def orientation_rows(repeats: int) -> list[list[str]]:
     from comera_compile.compile.matmul_orientation import worth_turning
 
     rows = []
-    for rank, width in ((16, 768), (32, 768), (32, 1536), (32, 3072), (64, 768)):
-        pairs = [(torch.randn(ROWS, rank), torch.randn(ROWS, width)) for _ in range(8)]
+    shapes = [(16, 768, torch.float32), (32, 768, torch.float32), (32, 1536, torch.float32),
+              (32, 3072, torch.float32), (64, 768, torch.float32), (32, 768, torch.float64)]
+    for rank, width, dtype in shapes:
+        pairs = [(torch.randn(ROWS, rank, dtype=dtype), torch.randn(ROWS, width, dtype=dtype))
+                 for _ in range(8)]
 
         def each(fn, pairs=pairs):
             return lambda: [fn(h, dy) for h, dy in pairs]
 
         written = median_seconds(each(lambda h, dy: h.T @ dy), repeats) / len(pairs)
         turned = median_seconds(each(lambda h, dy: (dy.T @ h).T), repeats) / len(pairs)
-        rows.append([f"{rank} x {ROWS} x {width}", f"{written * 1e3:.2f}",
-                     f"{turned * 1e3:.2f}", f"{written / turned:.2f}x",
-                     "yes" if worth_turning(rank, ROWS, width) else "no"])
+        turns = dtype == torch.float32 and worth_turning(rank, ROWS, width)  # the pass's test
+        rows.append([f"{rank} x {ROWS} x {width}", str(dtype).removeprefix("torch."),
+                     f"{written * 1e3:.2f}", f"{turned * 1e3:.2f}", f"{written / turned:.2f}x",
+                     "yes" if turns else "no"])
     return rows
 
 
@@ -188,7 +193,8 @@ def main() -> None:
     print(table(gflops_rows(args.repeats), ["product", "GFLOP/s"]))
     print("\nthin weight gradient h.T @ dy, as written and transposed (ms, median):")
     print(table(orientation_rows(args.repeats),
-                ["m x k x n", "h.T @ dy", "(dy.T @ h).T", "speed-up", "turned by the backend"]))
+                ["m x k x n", "dtype", "h.T @ dy", "(dy.T @ h).T", "speed-up",
+                 "turned by the backend"]))
     print(f"\naten vs inductor on a {ROWS} x 3072 activation (ms, median; host memory reused):")
     set_host_memory("reuse")
     print(table(inductor_rows(args.repeats),
