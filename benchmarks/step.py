@@ -24,6 +24,13 @@ allocator's own share of a gain).
     python benchmarks/step.py --batches 8 --rows comera-eager,comera-compiled
     python benchmarks/step.py --batches 32 --rows comera-eager,comera-compiled --host-memory cache
     python benchmarks/step.py --batches 8 --rows comera-compiled --host-memory release
+    python benchmarks/step.py --batches 32 --rows dense-inductor,comera-compiled,comera-compiled-low --rounds 3
+
+Step times on a shared CPU drift by 10-20% from one process to the next. ``--rounds N``
+runs the whole list of rows N times, one round after the other (each row's child once per
+round), and prints each row's median over the rounds with its range, and the ratios the
+targets name (compiled against eager and against dense + inductor, low memory against
+compiled) taken within each round, where both rows ran minutes apart, then their median.
 """
 
 from __future__ import annotations
@@ -248,6 +255,60 @@ def table(results: list[dict], batch: int) -> str:
     return "\n".join(lines)
 
 
+PAIRS = (  # (row, reference, what the ratio says)
+    ("comera-compiled", "comera-eager", "speed-up"),
+    ("comera-compiled", "dense-inductor", "speed-up"),
+    ("comera-compiled", "galore", "speed-up"),
+    ("comera-compiled-low", "comera-compiled", "extra time"),
+    ("comera-compiled-low", "dense-eager", "memory cut"),
+)
+
+
+def median_over_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One result per (batch, row): the median step time and memory over the rounds, with
+    their ranges (``ms_range``, ``memory_range``)."""
+    merged: dict[tuple[int, str], list[dict]] = {}
+    for results in rounds:
+        for r in results:
+            merged.setdefault((r["batch"], r["row"]), []).append(r)
+    out = []
+    for runs in merged.values():
+        r = dict(runs[0])
+        for key in ("ms", "memory_mb", "faults"):
+            r[key] = statistics.median(x[key] for x in runs)
+        r["ms_range"] = (min(x["ms"] for x in runs), max(x["ms"] for x in runs))
+        r["memory_range"] = (min(x["memory_mb"] for x in runs),
+                             max(x["memory_mb"] for x in runs))
+        r["rounds"] = len(runs)
+        out.append(r)
+    return out
+
+
+def paired_ratios(rounds: list[list[dict]], batch: int) -> list[str]:
+    """The targets' ratios, each taken within a round (the two rows ran minutes apart in
+    one round), then the median and range over the rounds."""
+    lines = []
+    for row, ref, what in PAIRS:
+        values = []
+        for results in rounds:
+            mine = {r["row"]: r for r in results if r["batch"] == batch}
+            if row in mine and ref in mine:
+                a, b = mine[row], mine[ref]
+                if what == "speed-up":
+                    values.append(b["ms"] / a["ms"])
+                elif what == "extra time":
+                    values.append(a["ms"] / b["ms"] - 1)
+                else:
+                    values.append(b["memory_mb"] / a["memory_mb"])
+        if not values:
+            continue
+        fmt = (lambda v: f"{v:+.1%}") if what == "extra time" else (lambda v: f"{v:.2f}x")
+        lines.append(f"  {what} of {row} over {ref}: {fmt(statistics.median(values))} "
+                     f"(median of {len(values)} round(s): "
+                     f"{', '.join(fmt(v) for v in values)})")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,32")
@@ -271,6 +332,9 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("fused", "foreach", "for-loop"),
                         default="fused",
                         help="torch's AdamW implementation in every row but GaLore's")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the list of rows this many times, round after round, and "
+                             "report medians and paired ratios over the rounds")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -298,6 +362,7 @@ def main() -> None:
     print(
         f"six-encoder, {args.layers} layers, seq {args.seq}; median of {args.steps} steps "
         f"after {args.warmup} warm-up steps; one child process per row"
+        + (f", {args.rounds} rounds (medians over rounds)" if args.rounds > 1 else "")
         + (f" with {args.threads} thread(s)" if args.threads else "")
         + {"default": "", "cache": "; every row keeps freed blocks by size (block cache)",
            "reuse": "; every row reuses freed host memory in the heap",
@@ -306,21 +371,31 @@ def main() -> None:
         + (f"; low-memory row: memory={args.low_memory}" if args.low_memory != "low" else "")
         + f"; AdamW: {args.optimizer}"
     )
-    results = []
-    jobs = [(b, r) for b in batches for r in rows]
-    for batch, row in tqdm(jobs, desc="rows", file=sys.stderr):
+    rounds: list[list[dict]] = [[] for _ in range(args.rounds)]
+    jobs = [(n, b, r) for n in range(args.rounds) for b in batches for r in rows]
+    for n, batch, row in tqdm(jobs, desc="rows", file=sys.stderr):
         out = child(args, row, batch)
         if isinstance(out, str):
             tqdm.write(f"  batch {batch} {row}: skipped ({out})", file=sys.stderr)
             continue
-        results.append(out)
+        rounds[n].append(out)
         tqdm.write(
-            f"  batch {batch} {row}: {out['ms']:.1f} ms/step, {out['memory_mb']:.1f} MB, "
+            f"  {f'round {n + 1}: ' if args.rounds > 1 else ''}batch {batch} {row}: "
+            f"{out['ms']:.1f} ms/step, {out['memory_mb']:.1f} MB, "
             f"{out['faults']:,.0f} page faults/step (warm-up {out['warmup_s']:.0f} s)",
             file=sys.stderr,
         )
+    results = median_over_rounds(rounds) if args.rounds > 1 else rounds[0]
     for batch in batches:
         print(table(results, batch))
+        if args.rounds > 1:
+            for r in results:
+                if r["batch"] == batch:
+                    lo, hi = r["ms_range"]
+                    mlo, mhi = r["memory_range"]
+                    print(f"  {r['row']}: {lo:.1f}-{hi:.1f} ms/step, {mlo:.1f}-{mhi:.1f} MB "
+                          f"over {r['rounds']} rounds")
+        print("\n".join(paired_ratios(rounds, batch)))
     peaks = sorted({r["peak"] for r in results})
     if peaks:
         print(f"peak RSS: {', '.join(peaks)}")
