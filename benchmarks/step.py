@@ -29,8 +29,8 @@ allocator's own share of a gain).
 Step times on a shared CPU drift by 10-20% from one process to the next. ``--rounds N``
 runs the whole list of rows N times, one round after the other (each row's child once per
 round), and prints each row's median over the rounds with its range, and the ratios the
-targets name (compiled against eager and against dense + inductor, low memory against
-compiled) taken within each round, where both rows ran minutes apart, then their median.
+targets name (compiled against eager and against dense + inductor, CoMERA against GaLore,
+low memory against compiled and against dense) taken within each round, where both rows ran minutes apart, then their median.
 """
 
 from __future__ import annotations
@@ -259,6 +259,8 @@ PAIRS = (  # (row, reference, what the ratio says)
     ("comera-compiled", "comera-eager", "speed-up"),
     ("comera-compiled", "dense-inductor", "speed-up"),
     ("comera-compiled", "galore", "speed-up"),
+    ("comera-eager", "galore", "speed-up"),
+    ("comera-eager", "galore", "memory cut"),
     ("comera-compiled-low", "comera-compiled", "extra time"),
     ("comera-compiled-low", "dense-eager", "memory cut"),
 )
