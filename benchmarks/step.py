@@ -24,13 +24,15 @@ allocator's own share of a gain).
     python benchmarks/step.py --batches 8 --rows comera-eager,comera-compiled
     python benchmarks/step.py --batches 32 --rows comera-eager,comera-compiled --host-memory cache
     python benchmarks/step.py --batches 8 --rows comera-compiled --host-memory release
-    python benchmarks/step.py --batches 32 --rows dense-inductor,comera-compiled,comera-compiled-low --rounds 3
+    python benchmarks/step.py --batches 32 --rounds 3 \
+        --rows dense-inductor,comera-compiled,comera-compiled-low
 
 Step times on a shared CPU drift by 10-20% from one process to the next. ``--rounds N``
 runs the whole list of rows N times, one round after the other (each row's child once per
 round), and prints each row's median over the rounds with its range, and the ratios the
 targets name (compiled against eager and against dense + inductor, CoMERA against GaLore,
-low memory against compiled and against dense) taken within each round, where both rows ran minutes apart, then their median.
+low memory against compiled and against dense) taken within each round, where both rows
+ran minutes apart, then their median.
 """
 
 from __future__ import annotations
