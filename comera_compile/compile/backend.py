@@ -60,6 +60,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from comera_compile.compile import matmul_orientation, reductions
+from comera_compile.compile.absorbed_attention import absorb_attention
 from comera_compile.compile.dropout import DropoutTag
 from comera_compile.compile.dropout import decompositions as dropout_decompositions
 from comera_compile.compile.host_memory import (
@@ -180,6 +181,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     if nodes:
         _apply_plan_options(nodes, opts)
         gm.recompile()
+        if opts.absorb_attention:
+            absorb_attention(gm)
     else:
         _warn_plain()
     _log_start(nodes)

@@ -15,7 +15,10 @@ import torch._inductor.config as inductor_config
 
 from comera_compile.planner import parse_objective
 
-OWN_KEYS = ("cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory")
+OWN_KEYS = (
+    "cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory",
+    "absorb_attention",
+)
 
 HOST_MEMORY = ("cache", "reuse", "release")
 
@@ -42,6 +45,8 @@ class BackendOptions:
     of 128 KiB or more back to the OS at once (``compile.host_memory``; process-wide;
     None: the cache, or where it cannot be built, reuse with the default memory budget
     and release with a lower one).
+    ``absorb_attention``: compute attentions whose Q, K, V and O are TT layers through their
+    rank bonds where that costs fewer flops (``compile.absorbed_attention``; default on).
     ``config``: inductor config patches."""
 
     cudagraphs: bool | None = None
@@ -50,6 +55,7 @@ class BackendOptions:
     inductor: bool = True
     memory: float = 1.0
     host_memory: str | None = None
+    absorb_attention: bool = True
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,6 +88,8 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Ba
         cudagraphs=_flag("cudagraphs", options.pop("cudagraphs", None)),
         autotune=_flag("autotune", options.pop("autotune", None)),
         inductor=bool(_flag("inductor", options.pop("inductor", True), allow_none=False)),
+        absorb_attention=bool(_flag(
+            "absorb_attention", options.pop("absorb_attention", True), allow_none=False)),
     )
     out.memory = parse_memory(options.pop("memory", "default"))
     host_memory = options.pop("host_memory", None)

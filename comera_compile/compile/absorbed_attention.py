@@ -1,0 +1,262 @@
+"""Attention through the rank bonds: Q, K, V and O projections that are TT layers never
+expand to the model width.
+
+A TT linear whose input cores come before its output cores is ``W = L @ R``: ``L`` merges
+the input cores (``N_in x r``), ``R`` the output cores (``r x N_out``), ``r`` the middle bond.
+When the four projections of a scaled-dot-product attention are such layers, the attention
+can be computed on their ``r``-wide middles (``t = x @ L``), as multi-head latent attention
+absorbs its up-projections:
+
+* scores: ``Q_h K_h^T = (t_q M_h + c_h) t_k^T`` with ``M_h = s R_q,h R_k,h^T`` (``r x r``)
+  and ``c_h = s R_k,h b_q,h``. The key bias adds a constant to each query's row of scores,
+  which the softmax cancels exactly, so it is left out (its gradient is exactly zero, as in
+  the standard form, up to rounding);
+* values and output: ``concat_h(P_h V_h) L_o = sum_h P_h (t_v N_h) + (P_h 1)(b_v,h L_o,h)``
+  with ``N_h = R_v,h L_o,h`` (``r x r``), then ``@ R_o`` as before.
+
+Each head's score matmul then contracts ``r`` instead of the head width ``d``, and its value
+matmul produces ``r`` columns instead of ``d``; the model-wide Q, K, V tensors and their head
+layout copies are never made. The rewrite is applied only where it costs less
+(``r_k < d`` and ``r_o < d_v``); the values equal the standard form's up to float
+rounding. It runs on the dynamo graph, before AOT autograd, so backward follows by autograd.
+
+Matched: ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)``
+where ``q``, ``k``, ``v`` are ``tt_linear(x).view(b, t, h, d).transpose(1, 2)`` (the TT layer's
+reshape / bias add / reshape, nothing else in between) and the output goes
+``.transpose(1, 2).reshape(b, t, h * d)`` straight into a TT layer; every intermediate
+tensor used nowhere else. Anything else (grouped-query attention, rotary embeddings
+between projection and attention, a TTM layer) is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from comera_compile.planner.ops import CONTRACT
+
+log = logging.getLogger("comera_compile")
+
+_SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+_BOND_KINDS = ("tt", "lowrank")
+
+
+def bond_factors(cores: Sequence[Tensor], n_in: int) -> tuple[Tensor, Tensor]:
+    """``(L, R)`` with ``W = L @ R`` for a TT linear's squeezed cores (first ``n_in`` of them
+    over the input modes): ``L`` is ``N_in x r``, ``R`` is ``r x N_out``."""
+    left = cores[0].reshape(-1, cores[0].shape[-1])
+    for core in cores[1:n_in]:
+        left = (left @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
+    right = cores[-1].reshape(cores[-1].shape[0], -1)
+    for core in reversed(cores[n_in:-1]):
+        right = (core.reshape(-1, core.shape[-1]) @ right).reshape(core.shape[0], -1)
+    return left, right
+
+
+def _safe_softmax(scores: Tensor) -> Tensor:
+    """Softmax over keys, zero for a query whose keys are all masked (as SDPA's math path)."""
+    safe = getattr(torch.ops.aten, "_safe_softmax", None)
+    if safe is not None:
+        return safe.default(scores, -1)
+    return torch.softmax(scores, -1).nan_to_num(0.0)
+
+
+def absorbed_attention(
+    xq: Tensor, xk: Tensor, xv: Tensor,
+    q_cores: list[Tensor], k_cores: list[Tensor], v_cores: list[Tensor], o_cores: list[Tensor],
+    q_bias: Tensor | None, k_bias: Tensor | None, v_bias: Tensor | None,
+    n_in: tuple[int, int, int, int], q_view: Sequence, k_view: Sequence, v_view: Sequence,
+    o_out_shape: Sequence, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None,
+) -> Tensor:
+    """The O layer's contraction output (``rows x *out_modes``) of a standard attention whose
+    projections are TT layers, computed through their bonds (module docstring)."""
+    b, tq, h, d = q_view
+    tk, dv = k_view[1], v_view[3]
+    s = scale if scale is not None else 1.0 / math.sqrt(d)
+    lq, rq = bond_factors(q_cores, n_in[0])
+    lk, rk = bond_factors(k_cores, n_in[1])
+    lv, rv = bond_factors(v_cores, n_in[2])
+    lo, ro = bond_factors(o_cores, n_in[3])
+    r_q, r_k, r_v, r_o = lq.shape[1], lk.shape[1], lv.shape[1], lo.shape[1]
+    tq_ = xq.reshape(xq.shape[0], -1) @ lq
+    tk_ = xk.reshape(xk.shape[0], -1) @ lk
+    tv_ = xv.reshape(xv.shape[0], -1) @ lv
+    rk_h = rk.reshape(r_k, h, d)
+    m = torch.einsum("ihd,jhd->ihj", rq.reshape(r_q, h, d), rk_h) * s  # (r_q, h, r_k)
+    q2 = (tq_ @ m.reshape(r_q, h * r_k)).view(b, tq, h, r_k)
+    shift = torch.zeros((), dtype=q2.dtype, device=q2.device)
+    if k_bias is not None:  # cancelled by the softmax: an exact zero, so its grad is zeros
+        shift = shift + (k_bias.to(q2.dtype) * 0).sum()
+    if q_bias is not None:
+        shift = shift + torch.einsum("jhd,hd->hj", rk_h, q_bias.to(rk.dtype).view(h, d)) * s
+    q2 = q2 + shift
+    scores = q2.transpose(1, 2) @ tk_.view(b, 1, tk, r_k).transpose(-1, -2)  # (b, h, tq, tk)
+    if is_causal:
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    p = _safe_softmax(scores)
+    if dropout_p > 0:
+        p = F.dropout(p, dropout_p, training=True)
+    lo_h = lo.reshape(h, dv, r_o)
+    n = torch.einsum("ihd,hdj->ihj", rv.reshape(r_v, h, dv), lo_h)  # (r_v, h, r_o)
+    w = (tv_ @ n.reshape(r_v, h * r_o)).view(b, tk, h, r_o).transpose(1, 2)  # (b, h, tk, r_o)
+    t_o = (p @ w).sum(1)  # (b, tq, r_o)
+    if v_bias is not None:
+        c_o = torch.einsum("hd,hdj->hj", v_bias.to(lo.dtype).view(h, dv), lo_h)
+        t_o = t_o + torch.einsum("bhq,hj->bqj", p.sum(-1), c_o)
+    return (t_o.reshape(-1, r_o) @ ro).reshape(o_out_shape)
+
+
+@dataclass
+class _Projection:
+    contract: fx.Node  # the comera::tt_contract node
+    bias: fx.Node | None  # the bias added to its output
+    view: Sequence  # (b, t, h, d) of the head view
+    chain: list[fx.Node]  # the nodes from the contraction to the head layout
+
+
+def _is_method(node: fx.Node, *names: str) -> bool:
+    return node.op == "call_method" and node.target in names
+
+
+def _single_input(node: fx.Node) -> fx.Node | None:
+    arg = node.args[0] if node.args else None
+    return arg if isinstance(arg, fx.Node) else None
+
+
+def _same_dtype_to(node: fx.Node) -> bool:
+    """``x.to(dtype)`` that changes nothing (the TT layer's output is already that dtype)."""
+    if not _is_method(node, "to") or len(node.args) != 2 or node.kwargs:
+        return False
+    value = _single_input(node).meta.get("example_value")
+    return isinstance(node.args[1], torch.dtype) and value is not None and (
+        value.dtype == node.args[1])
+
+
+def _view_shape(node: fx.Node) -> list | None:
+    args = list(node.args[1:])
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = list(args[0])
+    return args if len(args) == 4 else None
+
+
+def _projection(node: fx.Node) -> _Projection | None:
+    """``contract -> reshape -> (+ bias) -> reshape -> [to] -> view(b,t,h,d) -> transpose(1,2)``."""
+    chain = [node]
+    if not (_is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1))):
+        return None
+    node = _single_input(node)
+    while node is not None and (_is_method(node, "contiguous") or _same_dtype_to(node)):
+        chain.append(node)
+        node = _single_input(node)
+    if node is None or not _is_method(node, "view", "reshape") or _view_shape(node) is None:
+        return None
+    view, chain = _view_shape(node), [*chain, node]
+    node = _single_input(node)
+    while node is not None and (_same_dtype_to(node) or _is_method(node, "contiguous")):
+        chain.append(node)
+        node = _single_input(node)
+    if node is None or not _is_method(node, "reshape", "view"):
+        return None
+    chain.append(node)
+    node, bias = _single_input(node), None
+    if node is not None and node.op == "call_function" and node.target in (
+            operator.add, torch.add) and len(node.args) == 2:
+        chain.append(node)
+        node, bias = node.args
+    if node is None or not _is_method(node, "reshape", "view"):
+        return None
+    chain.append(node)
+    node = _single_input(node)
+    if node is None or node.op != "call_function" or node.target is not CONTRACT:
+        return None
+    if node.args[2] not in _BOND_KINDS or any(len(n.users) != 1 for n in [*chain, node]):
+        return None
+    return _Projection(node, bias, view, chain)
+
+
+def _output_projection(sdpa: fx.Node) -> fx.Node | None:
+    """``sdpa -> transpose(1, 2) -> reshape(b, t, c) -> reshape(-1, c) -> reshape(rows,
+    *modes) -> contract``: the O layer's contraction node."""
+    node, steps = sdpa, 0
+    while True:
+        if len(node.users) != 1:
+            return None
+        node = next(iter(node.users))
+        if node.op == "call_function" and node.target is CONTRACT:
+            return node if steps >= 2 and node.args[2] in _BOND_KINDS else None
+        ok = (_is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1))
+              and steps == 0) or (steps > 0 and (
+                  _is_method(node, "reshape", "view", "contiguous") or _same_dtype_to(node)))
+        if not ok or steps > 6:
+            return None
+        steps += 1
+
+
+def _cheaper(q: _Projection, k: _Projection, v: _Projection, o: fx.Node) -> bool:
+    """Absorb only when the bonds are narrower than the heads (fewer flops per head)."""
+    def bond(contract: fx.Node) -> int:
+        cores, n_in = contract.args[1], len(contract.args[3])
+        value = cores[n_in - 1].meta.get("example_value")
+        return int(value.shape[-1]) if value is not None else 1 << 30
+
+    d, dv = q.view[3], v.view[3]
+    if not all(isinstance(x, int) for x in (d, dv, k.view[3], q.view[2], k.view[2], v.view[2])):
+        return False
+    if not (q.view[2] == k.view[2] == v.view[2] and d == k.view[3]):
+        return False
+    return bond(k.contract) < d and bond(o) < dv
+
+
+def absorb_attention(gm: fx.GraphModule) -> int:
+    """Rewrite each matching attention of ``gm`` (module docstring); returns how many."""
+    count = 0
+    for sdpa in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SDPA]:
+        names = ("attn_mask", "dropout_p", "is_causal", "scale")
+        args = dict(zip(("query", "key", "value", *names), sdpa.args))
+        args.update(sdpa.kwargs)
+        if set(args) - {"query", "key", "value", "enable_gqa", *names} or args.get("enable_gqa"):
+            continue
+        q, k, v = (_projection(args[name]) for name in ("query", "key", "value"))
+        o = _output_projection(sdpa)
+        if None in (q, k, v, o) or not _cheaper(q, k, v, o):
+            continue
+        if isinstance(args.get("dropout_p", 0.0), fx.Node) or isinstance(
+                args.get("is_causal", False), fx.Node) or isinstance(args.get("scale"), fx.Node):
+            continue
+        out_value = o.meta.get("example_value")
+        if out_value is None:
+            continue
+        with gm.graph.inserting_before(o):
+            rows = gm.graph.call_method("size", (q.contract.args[0], 0))
+            new = gm.graph.call_function(absorbed_attention, (
+                q.contract.args[0], k.contract.args[0], v.contract.args[0],
+                q.contract.args[1], k.contract.args[1], v.contract.args[1], o.args[1],
+                q.bias, k.bias, v.bias,
+                tuple(len(n.args[3]) for n in (q.contract, k.contract, v.contract, o)),
+                tuple(q.view), tuple(k.view), tuple(v.view),
+                (rows, *(int(s) for s in out_value.shape[1:])),
+                args.get("attn_mask"), float(args.get("dropout_p", 0.0)),
+                bool(args.get("is_causal", False)), args.get("scale"),
+            ))
+        new.meta.update(o.meta)
+        o.replace_all_uses_with(new)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        log.info("comera backend: %d attention(s) computed through their TT bonds", count)
+    return count
