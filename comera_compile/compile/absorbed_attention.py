@@ -68,6 +68,16 @@ def _safe_softmax(scores: Tensor) -> Tensor:
     return torch.softmax(scores, -1).nan_to_num(0.0)
 
 
+def _resolve(view: Sequence, rows) -> tuple:
+    """``(b, t, h, d)`` of a head view, with a ``-1`` batch or length read from the rows."""
+    b, t, h, d = view
+    if isinstance(b, int) and b == -1:
+        b = rows // t
+    if isinstance(t, int) and t == -1:
+        t = rows // b
+    return b, t, h, d
+
+
 def absorbed_attention(
     xq: Tensor, xk: Tensor, xv: Tensor,
     q_cores: list[Tensor], k_cores: list[Tensor], v_cores: list[Tensor], o_cores: list[Tensor],
@@ -78,8 +88,8 @@ def absorbed_attention(
 ) -> Tensor:
     """The O layer's contraction output (``rows x *out_modes``) of a standard attention whose
     projections are TT layers, computed through their bonds (module docstring)."""
-    b, tq, h, d = q_view
-    tk, dv = k_view[1], v_view[3]
+    b, tq, h, d = _resolve(q_view, xq.shape[0])
+    tk, dv = _resolve(k_view, xk.shape[0])[1], v_view[3]
     s = scale if scale is not None else 1.0 / math.sqrt(d)
     lq, rq = bond_factors(q_cores, n_in[0])
     lk, rk = bond_factors(k_cores, n_in[1])
@@ -164,7 +174,13 @@ def _projection(node: fx.Node) -> _Projection | None:
         node = _single_input(node)
     if node is None or not _is_method(node, "view", "reshape") or _view_shape(node) is None:
         return None
-    view, chain = _view_shape(node), [*chain, node]
+    value = node.meta.get("example_value")
+    if value is None or value.dim() != 4:
+        return None
+    # heads and head width from the traced shape (a ``-1`` there is common), batch and
+    # length as the graph computes them
+    view = [*_view_shape(node)[:2], *(int(n) for n in value.shape[2:])]
+    chain.append(node)
     node = _single_input(node)
     while node is not None and (_same_dtype_to(node) or _is_method(node, "contiguous")):
         chain.append(node)
@@ -177,6 +193,8 @@ def _projection(node: fx.Node) -> _Projection | None:
             operator.add, torch.add) and len(node.args) == 2:
         chain.append(node)
         node, bias = node.args
+        if not isinstance(bias, fx.Node):
+            return None
     if node is None or not _is_method(node, "reshape", "view"):
         return None
     chain.append(node)

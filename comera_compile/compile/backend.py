@@ -9,7 +9,10 @@ holds one recognisable node per tensorized layer. The backend
 
 1. finds those nodes (none: one warning per process, then plain inductor);
 2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
-   so the plans picked while lowering use them);
+   so the plans picked while lowering use them), and computes each scaled-dot-product
+   attention whose Q, K, V and O are TT layers through their rank bonds where the bonds
+   are narrower than the heads (``compile.absorbed_attention``: the model-wide Q, K, V
+   are never made and each head's matmuls contract the bond instead of the head width);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
    plan's pairwise program for the rows' bucket (a symbolic batch is guarded to the
    region of buckets that one plan serves, so one graph serves every batch size in it),
