@@ -208,20 +208,31 @@ def _projection(node: fx.Node) -> _Projection | None:
 
 def _output_projection(sdpa: fx.Node) -> fx.Node | None:
     """``sdpa -> transpose(1, 2) -> reshape(b, t, c) -> reshape(-1, c) -> reshape(rows,
-    *modes) -> contract``: the O layer's contraction node."""
-    node, steps = sdpa, 0
-    while True:
+    *modes) -> contract``: the O layer's contraction node. Before the transpose, reshapes
+    to the same shape (a no-op some attention wrappers make) are allowed."""
+    heads_shape = _shape(sdpa)
+    node, steps, transposed = sdpa, 0, False
+    while steps <= 8:
         if len(node.users) != 1:
             return None
         node = next(iter(node.users))
         if node.op == "call_function" and node.target is CONTRACT:
-            return node if steps >= 2 and node.args[2] in _BOND_KINDS else None
-        ok = (_is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1))
-              and steps == 0) or (steps > 0 and (
-                  _is_method(node, "reshape", "view", "contiguous") or _same_dtype_to(node)))
-        if not ok or steps > 6:
+            return node if transposed and node.args[2] in _BOND_KINDS else None
+        if _is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1)):
+            if transposed:
+                return None
+            transposed = True
+        elif not (_is_method(node, "reshape", "view", "contiguous") or _same_dtype_to(node)):
+            return None
+        elif not transposed and (heads_shape is None or _shape(node) != heads_shape):
             return None
         steps += 1
+    return None
+
+
+def _shape(node: fx.Node) -> tuple | None:
+    value = node.meta.get("example_value")
+    return tuple(value.shape) if isinstance(value, Tensor) else None
 
 
 def _cheaper(q: _Projection, k: _Projection, v: _Projection, o: fx.Node) -> bool:
