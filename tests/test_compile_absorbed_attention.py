@@ -136,3 +136,17 @@ def test_absorbed_attention_trains_with_dropout():
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_cross_attention_with_another_key_length():
+    torch.manual_seed(1)
+    q, k, v, o = layers = [tt(64, 64, 5, [4, 4, 4], [4, 4, 4]) for _ in range(4)]
+    x, memory = torch.randn(3, 7, 64), torch.randn(3, 5, 64)
+    heads = (q(x).view(3, 7, 2, 32).transpose(1, 2),
+             *(p(memory).view(3, 5, 2, 32).transpose(1, 2) for p in (k, v)))
+    want = o(F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(3, 7, 64))
+    got = absorbed_attention(
+        x.reshape(21, 4, 4, 4), memory.reshape(15, 4, 4, 4), memory.reshape(15, 4, 4, 4),
+        *(p.network_cores() for p in layers), q.bias, k.bias, v.bias, (3, 3, 3, 3),
+        (3, 7, 2, 32), (-1, 5, 2, 32), (3, 5, 2, 32), (21, 4, 4, 4))
+    torch.testing.assert_close(got.reshape(3, 7, 64) + o.bias, want, rtol=1e-4, atol=1e-5)
