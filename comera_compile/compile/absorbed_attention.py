@@ -151,8 +151,9 @@ def _same_dtype_to(node: fx.Node) -> bool:
     """``x.to(dtype)`` that changes nothing (the TT layer's output is already that dtype)."""
     if not _is_method(node, "to") or len(node.args) != 2 or node.kwargs:
         return False
-    value = _single_input(node).meta.get("example_value")
-    return isinstance(node.args[1], torch.dtype) and value is not None and (
+    source = _single_input(node)
+    value = source.meta.get("example_value") if source is not None else None
+    return isinstance(node.args[1], torch.dtype) and isinstance(value, Tensor) and (
         value.dtype == node.args[1])
 
 
