@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
+from comera_compile.formats.tt import merge_cores
+from comera_compile.nn.tt_linear import merge_right
 from comera_compile.planner.ops import CONTRACT
 
 log = logging.getLogger("comera_compile")
@@ -50,14 +52,9 @@ _BOND_KINDS = ("tt", "lowrank")
 
 def bond_factors(cores: Sequence[Tensor], n_in: int) -> tuple[Tensor, Tensor]:
     """``(L, R)`` with ``W = L @ R`` for a TT linear's squeezed cores (first ``n_in`` of them
-    over the input modes): ``L`` is ``N_in x r``, ``R`` is ``r x N_out``."""
-    left = cores[0].reshape(-1, cores[0].shape[-1])
-    for core in cores[1:n_in]:
-        left = (left @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
-    right = cores[-1].reshape(cores[-1].shape[0], -1)
-    for core in reversed(cores[n_in:-1]):
-        right = (core.reshape(-1, core.shape[-1]) @ right).reshape(core.shape[0], -1)
-    return left, right
+    over the input modes): ``L`` is ``N_in x r``, ``R`` is ``r x N_out``. Both are built from
+    the cores (weights only), never from the dense weight."""
+    return merge_cores(cores[:n_in]), merge_right(cores[n_in:])
 
 
 def _safe_softmax(scores: Tensor) -> Tensor:
@@ -126,7 +123,7 @@ def absorbed_attention(
     t_o = (p @ w).sum(1)  # (b, tq, r_o)
     if v_bias is not None:
         c_o = torch.einsum("hd,hdj->hj", v_bias.to(lo.dtype).view(h, dv), lo_h)
-        t_o = t_o + torch.einsum("bhq,hj->bqj", p.sum(-1), c_o)
+        t_o = t_o + p.sum(-1).transpose(1, 2) @ c_o  # (b, tq, h) @ (h, r_o)
     return (t_o.reshape(-1, r_o) @ ro).reshape(o_out_shape)
 
 
