@@ -21,7 +21,9 @@ from .factorize import (
     zero_pad,
 )
 from .layout import (
+    COLA,
     LOWRANK,
+    ONE_MODE,
     TT,
     TT_CHAINS,
     TT_EMBEDDING,
@@ -32,6 +34,13 @@ from .layout import (
     modes_cover,
 )
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
+from .scaling import (
+    fan_in_stds,
+    lookup_fan_ins,
+    lr_multipliers,
+    tt_linear_fan_ins,
+    ttm_fan_ins,
+)
 from .tt import chain_norm, merge_cores, tt_random_cores, tt_svd, tt_svd_with_error, tt_to_dense
 from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
 
@@ -39,6 +48,8 @@ __all__ = [
     "chain_norm",
     "ChainLayout",
     "LOWRANK",
+    "COLA",
+    "ONE_MODE",
     "TT",
     "TTM",
     "TT_CHAINS",
@@ -52,6 +63,11 @@ __all__ = [
     "core_params",
     "dense_linear_macs",
     "factorize",
+    "fan_in_stds",
+    "lookup_fan_ins",
+    "lr_multipliers",
+    "tt_linear_fan_ins",
+    "ttm_fan_ins",
     "fit_ranks",
     "internal_ranks",
     "merge_cores",

@@ -15,10 +15,12 @@ from ._checks import positive_int, positive_ints
 from .factorize import tt_linear_modes, ttm_modes
 from .ranks import fit_ranks
 
-TT, TTM, LOWRANK, TT_EMBEDDING = "tt", "ttm", "lowrank", "tt_embedding"
-"""The layer formats: TT and TTM Linear, low-rank ``W = U V`` (a TT chain of order 1), and
-the TTM-format embedding table."""
-TT_CHAINS = (TT, LOWRANK)  # a chain of single-mode cores: input modes, then output modes
+TT, TTM, LOWRANK, COLA, TT_EMBEDDING = "tt", "ttm", "lowrank", "cola", "tt_embedding"
+"""The layer formats: TT and TTM Linear, low-rank ``W = U V`` (a TT chain of order 1),
+CoLA's low-rank with a nonlinearity on the bond (laid out as low-rank), and the
+TTM-format embedding table."""
+TT_CHAINS = (TT, LOWRANK, COLA)  # single-mode cores: input modes, then output modes
+ONE_MODE = (LOWRANK, COLA)  # chains of order 1: one mode per side
 
 _ARGUMENT_NAMES = {  # the constructors' names of (sizes, modes), for errors in their words
     TT_EMBEDDING: ("num_embeddings", "embedding_dim", "row_modes", "col_modes"),
@@ -83,11 +85,11 @@ def chain_layout(
     are factorized (a TTM chain takes its order from given modes); ``ranks`` is an int or a
     rank list, clipped to what each bond can hold."""
     if fmt not in (*TT_CHAINS, TTM, TT_EMBEDDING):
-        raise ValueError(f"unknown format {fmt!r}; use one of {(TT, TTM, LOWRANK)}")
+        raise ValueError(f"unknown format {fmt!r}; use one of {(TT, TTM, LOWRANK, COLA)}")
     names = _ARGUMENT_NAMES.get(fmt, _LINEAR_NAMES)
     first_size = positive_int(names[0], first_size)
     second_size = positive_int(names[1], second_size)
-    if fmt == LOWRANK:
+    if fmt in ONE_MODE:
         check_low_rank(order, first_modes, second_modes)
         order = 1
     if fmt in TT_CHAINS:

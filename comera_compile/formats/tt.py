@@ -16,6 +16,7 @@ from torch import Tensor
 from ._checks import positive_ints
 from ._svd import chain_svd
 from .ranks import chain_ranks
+from .scaling import fan_in_stds, tt_linear_fan_ins
 
 
 def _check_matrix(matrix: Tensor, in_modes: Sequence[int], out_modes: Sequence[int]) -> None:
@@ -113,19 +114,24 @@ def random_chain_cores(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
+    fan_ins: Sequence[int] | None = None,
 ) -> list[Tensor]:
     """Gaussian cores (last dim = right bond) whose chain product has entry variance sigma^2.
 
-    var(W_ij) = prod_k v_k * prod_k r_k (sum over all internal index paths), so v_k =
-    sigma^(2/L) / r_k with r_k the right bond of core k (r_L = 1) gives exactly sigma^2.
+    With ``fan_ins`` each core's std is proportional to ``1 / sqrt(F_k)``, so every core
+    keeps its input's scale (``formats.scaling``); without, ``v_k = sigma^(2/L) / r_k`` with
+    ``r_k`` the right bond. Either way ``var(W_ij) = prod_k v_k * prod_k r_k = sigma^2``.
     """
     if sigma < 0:
         raise ValueError(f"sigma must be >= 0, got {sigma!r}")
     num = len(shapes)
-    scale = sigma ** (1.0 / num)
+    if fan_ins is not None:
+        ranks = [1] + [int(s[-1]) for s in shapes]
+        stds = fan_in_stds(fan_ins, ranks, sigma)
+    else:
+        stds = [sigma ** (1.0 / num) / math.sqrt(shape[-1]) for shape in shapes]
     cores = []
-    for shape in shapes:
-        std = scale / math.sqrt(shape[-1])
+    for shape, std in zip(shapes, stds):
         core = torch.randn(tuple(shape), dtype=dtype, device=device, generator=generator)
         cores.append(core * std)
     return cores
@@ -139,9 +145,12 @@ def tt_random_cores(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
+    fan_in_init: bool = False,
 ) -> list[Tensor]:
-    """Random TT-linear cores with var(W_ij) = sigma^2 (core k std sigma^(1/L)/sqrt(r_k))."""
+    """Random TT-linear cores with var(W_ij) = sigma^2; ``fan_in_init`` spreads the scale by
+    each core's fan-in (``formats.scaling``), else core k has std sigma^(1/L)/sqrt(r_k)."""
     modes = positive_ints("in_modes", in_modes) + positive_ints("out_modes", out_modes)
     ranks = chain_ranks(ranks, len(modes))
     shapes = [(ranks[k], n, ranks[k + 1]) for k, n in enumerate(modes)]
-    return random_chain_cores(shapes, sigma, dtype, device, generator)
+    fan_ins = tt_linear_fan_ins(in_modes, ranks) if fan_in_init else None
+    return random_chain_cores(shapes, sigma, dtype, device, generator, fan_ins)

@@ -16,6 +16,7 @@ from torch import Tensor
 from ._checks import ttm_mode_pairs
 from ._svd import chain_svd
 from .ranks import chain_ranks
+from .scaling import ttm_fan_ins
 from .tt import check_chain, random_chain_cores
 
 
@@ -79,9 +80,13 @@ def ttm_random_cores(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
+    fan_in_init: bool = False,
 ) -> list[Tensor]:
-    """Random TTM cores with entry variance sigma^2 (core k std sigma^(1/d)/sqrt(r_k))."""
+    """Random TTM cores with entry variance sigma^2; ``fan_in_init`` spreads the scale by
+    each core's fan-in over ``col_modes`` (``formats.scaling``), else core k has std
+    sigma^(1/d)/sqrt(r_k)."""
     rows, cols = ttm_mode_pairs(row_modes, col_modes)
     ranks = chain_ranks(ranks, len(rows))
     shapes = [(ranks[k], m, n, ranks[k + 1]) for k, (m, n) in enumerate(zip(rows, cols))]
-    return random_chain_cores(shapes, sigma, dtype, device, generator)
+    fan_ins = ttm_fan_ins(cols, ranks) if fan_in_init else None
+    return random_chain_cores(shapes, sigma, dtype, device, generator, fan_ins)

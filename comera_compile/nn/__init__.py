@@ -7,6 +7,7 @@ from comera_compile.nn.base import (
     TensorizedLayer,
     tensorized_layers,
 )
+from comera_compile.nn.cola_linear import CoLALinear
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.lowrank_linear import LowRankLinear
 from comera_compile.nn.tied_head import TiedEmbeddingHead
@@ -18,6 +19,7 @@ LEAF_MODULES = (TensorizedLayer, SplitMultiheadAttention, TiedEmbeddingHead)
 """Modules a graph capture keeps whole: their forward picks a plan per batch size."""
 
 __all__ = [
+    "CoLALinear",
     "LEAF_MODULES",
     "DEFAULT_THRESHOLD",
     "LayoutMismatchError",

@@ -47,6 +47,11 @@ class PlannedLinearMixin(PlannedLayer):
     def dense_parameters(self) -> int:
         return self.in_features * self.out_features
 
+    @property
+    def dense_fan_in(self) -> int:
+        """The fan-in of the dense weight this layer replaces."""
+        return self.in_features
+
     def layout(self) -> dict:
         return {
             **super().layout(),

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from comera_compile.formats import chain_layout, ttm_random_cores, ttm_svd, ttm_to_dense, zero_pad
+from comera_compile.formats import (
+    chain_layout,
+    lookup_fan_ins,
+    ttm_random_cores,
+    ttm_svd,
+    ttm_to_dense,
+    zero_pad,
+)
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
 from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
@@ -89,6 +96,15 @@ class TTEmbedding(TensorizedLayer):
     @property
     def dense_parameters(self) -> int:
         return self.num_embeddings * self.embedding_dim
+
+    @property
+    def dense_fan_in(self) -> int:
+        """A lookup sums nothing: a dense table's row is read as it is."""
+        return 1
+
+    def core_fan_ins(self) -> list[int]:
+        """A gathered core sums only its left bond (``formats.scaling``)."""
+        return lookup_fan_ins(self.ranks)
 
     def layout(self) -> dict:
         return {

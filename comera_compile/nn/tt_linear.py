@@ -15,6 +15,7 @@ from torch import Tensor
 from comera_compile.formats import (
     chain_layout,
     merge_cores,
+    tt_linear_fan_ins,
     tt_random_cores,
     tt_svd,
     tt_to_dense,
@@ -47,9 +48,14 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         chain = chain_layout(self.format, in_features, out_features, ranks, in_modes, out_modes,
                              order)
         std = linear_init_std(in_features)
-        cores = tt_random_cores(chain.first, chain.second, chain.ranks, std, dtype, device)
+        cores = tt_random_cores(chain.first, chain.second, chain.ranks, std, dtype, device,
+                                fan_in_init=True)
         super().__init__(cores, threshold)
         self._init_linear(in_features, out_features, chain.first, chain.second, bias)
+
+    def core_fan_ins(self) -> list[int]:
+        """Entries of the incoming activation each core sums over (``formats.scaling``)."""
+        return tt_linear_fan_ins(self.in_modes, self.ranks)
 
     # ----- the contraction ----------------------------------------------------------------
     def _network(self, rows: int):

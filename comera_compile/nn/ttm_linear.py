@@ -15,6 +15,7 @@ from torch import Tensor
 from comera_compile.formats import (
     TTM,
     chain_layout,
+    ttm_fan_ins,
     ttm_random_cores,
     ttm_svd,
     ttm_to_dense,
@@ -46,9 +47,14 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
     ) -> None:
         chain = chain_layout(TTM, in_features, out_features, ranks, in_modes, out_modes, order)
         std = linear_init_std(in_features)
-        cores = ttm_random_cores(chain.second, chain.first, chain.ranks, std, dtype, device)
+        cores = ttm_random_cores(chain.second, chain.first, chain.ranks, std, dtype, device,
+                                 fan_in_init=True)
         super().__init__(cores, threshold)
         self._init_linear(in_features, out_features, chain.first, chain.second, bias)
+
+    def core_fan_ins(self) -> list[int]:
+        """Entries of the incoming activation each core sums over (``formats.scaling``)."""
+        return ttm_fan_ins(self.in_modes, self.ranks)
 
     def _network(self, rows: int):
         return ttm_linear_network(self.in_modes, self.out_modes, self.ranks, rows)

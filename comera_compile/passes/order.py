@@ -32,9 +32,15 @@ from typing import Any
 
 import torch
 
-from comera_compile.formats import TT_EMBEDDING, chain_layout, choose_order, tt_linear_modes
+from comera_compile.formats import (
+    ONE_MODE,
+    TT_EMBEDDING,
+    chain_layout,
+    choose_order,
+    tt_linear_modes,
+)
 from comera_compile.passes.candidates import Candidate
-from comera_compile.passes.specs import LOWRANK, TT, LayerSpec, make_spec, max_useful_rank
+from comera_compile.passes.specs import TT, LayerSpec, make_spec, max_useful_rank
 from comera_compile.planner import evaluate_path, get_plan, tt_linear_network
 
 ORDERS = (2, 3, 4)
@@ -226,8 +232,8 @@ def pick_order(
             return None, ""
         choice = choose_embedding_order(cand, cap)
         return choice.chosen.spec, f"order {choice.chosen.order}: {choice.reason}"
-    if fmt == LOWRANK:
-        return None, "one mode per side: format='lowrank' (W = U V)"
+    if fmt in ONE_MODE:
+        return None, f"one mode per side: format={fmt!r} (W = U V)"
     if fmt != TT:
         return None, "default order (the order is chosen by cost for format='tt')"
     if rows is None:

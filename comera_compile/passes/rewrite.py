@@ -13,9 +13,10 @@ import math
 import torch
 from torch import nn
 
-from comera_compile.formats import LOWRANK, TT, TT_EMBEDDING, TTM, chain_norm
+from comera_compile.formats import COLA, LOWRANK, TT, TT_EMBEDDING, TTM, chain_norm
 from comera_compile.nn import (
     DEFAULT_THRESHOLD,
+    CoLALinear,
     LowRankLinear,
     SplitMultiheadAttention,
     TensorizedLayer,
@@ -31,7 +32,7 @@ from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
 from comera_compile.passes.specs import LayerSpec
 
 INITS = ("random", "dense")
-LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear}
+LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear, COLA: CoLALinear}
 
 
 def check_init(init: str) -> None:
@@ -70,12 +71,16 @@ def match_weight_scale(layer: TensorizedLayer, weight: torch.Tensor) -> None:
 
     The layer classes start at torch's own defaults (``nn.Embedding``'s N(0, 1), ``nn.Linear``'s
     uniform); a model that initialises its own way (Hugging Face models: std 0.02) would
-    otherwise start 50x off, and a tied LM head would begin with logits of std ~12."""
+    otherwise start 50x off, and a tied LM head would begin with logits of std ~12. The
+    factor is shared equally by the cores, which keeps their fan-in balance
+    (``formats.scaling``) and so the learning rates ``param_groups`` derives from it."""
     with torch.no_grad():
         target = float(weight.detach().float().square().mean().sqrt())
         current = chain_norm(layer.gated_cores()) / math.sqrt(weight.numel())
         if target > 0 and current > 0:
-            layer.cores[0].mul_(target / current)
+            factor = (target / current) ** (1.0 / len(layer.cores))
+            for core in layer.cores:
+                core.mul_(factor)
 
 
 def _as_linear(cand: Candidate) -> nn.Linear:
@@ -200,7 +205,7 @@ def layer_from_layout(name: str, layout: dict, dense: nn.Module) -> TensorizedLa
     fmt = layout.get("format")
     if fmt == TT_EMBEDDING:
         wanted = ("embedding", layout["num_embeddings"], layout["embedding_dim"])
-    elif fmt in (TT, TTM):
+    elif fmt in LINEAR_CLASSES:
         wanted = ("linear", layout["in_features"], layout["out_features"])
     else:
         raise ValueError(f"checkpoint layer '{name}' has an unknown format {fmt!r}")
@@ -220,7 +225,7 @@ def layer_from_layout(name: str, layout: dict, dense: nn.Module) -> TensorizedLa
             row_modes=layout["row_modes"], col_modes=layout["col_modes"], **kwargs,
         )
     else:
-        cls = TTLinear if fmt == TT else TTMLinear
+        cls = LINEAR_CLASSES[fmt]
         bias = layout.get("bias", getattr(dense, "bias", None) is not None)
         layer = cls(wanted[1], wanted[2], in_modes=layout["in_modes"],
                     out_modes=layout["out_modes"], bias=bias, **kwargs)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from comera_compile.formats import (
+    COLA,
     LOWRANK,
     TT,
     TT_CHAINS,
@@ -25,11 +26,11 @@ from comera_compile.formats import (
 )
 from comera_compile.passes.candidates import Candidate
 
-LINEAR_FORMATS = (TT, TTM, LOWRANK)
+LINEAR_FORMATS = (TT, TTM, LOWRANK, COLA)
 
 
 def check_format(fmt: str, name: str = "format") -> None:
-    """``fmt`` must name a Linear format: ``"tt"``, ``"ttm"`` or ``"lowrank"``."""
+    """``fmt`` must name a Linear format: ``"tt"``, ``"ttm"``, ``"lowrank"`` or ``"cola"``."""
     if fmt not in LINEAR_FORMATS:
         raise ValueError(f"{name} must be one of {LINEAR_FORMATS}, got {fmt!r}")
 

@@ -1,8 +1,12 @@
-"""Optimizer parameter groups with the reference's learning rates.
+"""Optimizer parameter groups: structure-aware learning rates from the dense model's one.
 
-Cores, gates and everything else learn at different speeds in CoMERA: gates must move
-fast enough to reach the threshold within a stage, cores are many small factors whose
-product amplifies every update, and the rest (biases, norms, dense layers) is ordinary.
+A user knows the learning rate of the dense model; a tensorized layer's cores are small
+linear maps of very different fan-ins, and one rate for all of them is wrong for most
+(too slow for the thin output cores, too fast for wide ones). ``param_groups(model, lr)``
+gives each core the rate that makes it move its output as much per step as the dense layer
+would (``formats.scaling``: ``lr * F / (L * F_k)``), the gates ten times the dense rate
+(the reference's gate-to-core ratio), and everything else ``lr``. Without ``lr`` it keeps
+the reference code's fixed rates.
 """
 
 from __future__ import annotations
@@ -11,26 +15,57 @@ from typing import Any
 
 from torch import nn
 
+from comera_compile.formats import lr_multipliers
 from comera_compile.nn import tensorized_layers
+
+GATE_RATIO = 10.0
+"""Gates over the dense rate: a gate must cross from 1 to its threshold within a stage."""
+
+
+def _rate_key(value: float) -> float:
+    return float(f"{value:.3g}")  # cores whose rates agree to 3 digits share a group
 
 
 def param_groups(
     model: nn.Module,
-    lr_cores: float = 1e-4,
-    lr_gates: float = 1e-3,
-    lr_rest: float = 5e-5,
+    lr: float | None = None,
+    *,
+    lr_cores: float | None = None,
+    lr_gates: float | None = None,
+    lr_rest: float | None = None,
     weight_decay: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """``[cores, gates, rest]`` groups for ``torch.optim.AdamW``.
+    """Parameter groups for ``torch.optim.AdamW`` (or any optimizer taking groups).
 
-    ``weight_decay`` applies to cores and rest; gates never decay (the rank penalty is
-    what moves them). Empty groups are left out. Each group carries a ``name``.
+    ``lr``: the rate you would give the dense model. Each core then gets its fan-in's
+    share of it (one group per distinct rate, named ``cores``), gates ``10 * lr``, the rest
+    ``lr``. ``lr_cores`` / ``lr_gates`` / ``lr_rest`` override one kind with a fixed rate.
+    Without ``lr`` the reference code's rates apply (``1e-4`` / ``1e-3`` / ``5e-5``).
+    ``weight_decay`` applies to cores and rest; gates never decay (the rank penalty moves
+    them). Empty groups are left out; every group carries a ``name``. Rates are fixed when
+    the groups are made: pruning later changes fan-ins but not the rates.
     """
-    cores, gates, seen = [], [], set()
+    if lr is not None and not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr!r}")
+    structured = lr is not None and lr_cores is None
+    if lr is None:
+        lr_cores = 1e-4 if lr_cores is None else lr_cores
+        lr_gates = 1e-3 if lr_gates is None else lr_gates
+        lr_rest = 5e-5 if lr_rest is None else lr_rest
+    else:
+        lr_gates = GATE_RATIO * lr if lr_gates is None else lr_gates
+        lr_rest = lr if lr_rest is None else lr_rest
+    core_rates: dict[float, list[nn.Parameter]] = {}
+    gates, seen = [], set()
     for layer in tensorized_layers(model).values():
-        for p in layer.cores:
+        rates = [lr_cores] * len(layer.cores)
+        if structured and hasattr(layer, "core_fan_ins"):
+            rates = [lr * m for m in lr_multipliers(layer.core_fan_ins(), layer.dense_fan_in)]
+        elif structured:  # a layer kind without fan-ins (a tied head's shared cores): lr
+            rates = [lr] * len(layer.cores)
+        for p, rate in zip(layer.cores, rates):
             if id(p) not in seen and p.requires_grad:
-                cores.append(p)
+                core_rates.setdefault(_rate_key(rate), []).append(p)
                 seen.add(id(p))
         for p in layer.gates:
             if id(p) not in seen and p.requires_grad:
@@ -42,7 +77,10 @@ def param_groups(
             rest.append(p)
             seen.add(id(p))
     groups = [
-        {"name": "cores", "params": cores, "lr": lr_cores, "weight_decay": weight_decay},
+        {"name": "cores", "params": params, "lr": rate, "weight_decay": weight_decay}
+        for rate, params in sorted(core_rates.items())
+    ]
+    groups += [
         {"name": "gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
         {"name": "rest", "params": rest, "lr": lr_rest, "weight_decay": weight_decay},
     ]

@@ -21,10 +21,16 @@ or else the task loss EMA at late-stage start (hold the loss where it was, shrin
 
 Without the run's length the late stage is the paper's: each step the switch rule picks
 the objective further from its target. With ``total_steps`` (or ``epochs`` and
-``steps_per_epoch``) the switch rule chases a budget that tightens on a cubic schedule and
-reaches ``S_t`` with ``settle_fraction`` of the late stage left; at each prune point where
-the size lags the budget, the channels with the smallest share of their bond's energy are
-switched off until it does not. So a run of a few hundred steps ends at its target.
+``steps_per_epoch``) the late stage is gradual pruning instead: a size budget tightens on
+a cubic schedule and reaches ``S_t`` with ``settle_fraction`` of the late stage left, and
+at each prune point where the size lags the budget, the channels with the smallest share
+of their bond's energy are switched off until it does not. The task loss keeps its full
+weight all along (plus the paper's small always-on size term): the switch rule, which
+drops the task loss to a tenth of its weight whenever size lags, is what cost a
+pretraining run most of its quality once the late stage began. So a run of a few hundred
+steps ends at its target, near the quality of the same layers trained at that size.
+``early_steps="auto"`` (the default) ends the early stage after a fifth of a run of known
+length (1000 steps otherwise), leaving the pruned model most of the run to train.
 
 ``progress=True`` shows a tqdm bar advanced by ``step`` (its total is the run's length when
 known) with the stage and ``S`` as a fraction of its starting value; it closes itself after
@@ -79,7 +85,7 @@ class RankAdaptiveTrainer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         target_ratio: float = 0.2,
-        early_steps: int | None = 1000,
+        early_steps: int | str | None = "auto",
         prune_every: int | None = 100,
         penalty_weight: float = 0.01,
         l2_weight: float = 0.0,
@@ -92,20 +98,22 @@ class RankAdaptiveTrainer:
         total_steps: int | None = None,
         epochs: int | None = None,
         steps_per_epoch: int | None = None,
-        settle_fraction: float = 0.25,
+        settle_fraction: float = 0.5,
         progress: bool = False,
     ) -> None:
         if target_params is not None and target_bytes is not None:
             raise ValueError("give target_params or target_bytes, not both")
         if not 0 < target_ratio <= 1:
             raise ValueError(f"target_ratio must be in (0, 1], got {target_ratio}")
+        self.total_steps = _run_length(total_steps, epochs, steps_per_epoch)
+        if early_steps == "auto":
+            early_steps = 1000 if self.total_steps is None else max(1, self.total_steps // 5)
         for name, value in (("early_steps", early_steps), ("prune_every", prune_every)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
         min_rank = positive_int("min_rank", min_rank)
         if not 0 <= settle_fraction < 1:
             raise ValueError(f"settle_fraction must be in [0, 1), got {settle_fraction}")
-        self.total_steps = _run_length(total_steps, epochs, steps_per_epoch)
         if self.total_steps is not None and early_steps is not None:
             if early_steps >= self.total_steps:
                 raise ValueError(
@@ -167,13 +175,16 @@ class RankAdaptiveTrainer:
     def rank_terms(self) -> tuple[Tensor | float, Tensor]:
         """``(w, extra)`` with this step's objective ``w * task_loss + extra``.
 
-        Early stage: ``w = 1``, ``extra`` the gate penalty. Late stage:
+        Early stage: ``w = 1``, ``extra`` the gate penalty. Late stage of a run of known
+        length (budget schedule): ``w = 1``, ``extra = 0.01 * R``. Late stage otherwise:
         ``w = 1.1 - lam``, ``extra = (0.01 + lam) * R``, the paper's
         ``0.1 L + 0.01 R + lam R + (1 - lam) L``. No host sync: ``lam`` is a tensor.
         """
         self._ensure_tensors()
         if self._stage == EARLY:
             weight, extra = 1.0, self.penalty_weight * self.bank.penalty()
+        elif self.schedule is not None:
+            weight, extra = 1.0, 0.01 * (self.bank.soft_size() / self._size_norm)
         else:
             size_term = self.bank.soft_size() / self._size_norm
             weight, extra = 1.1 - self._lam, (0.01 + self._lam) * size_term
@@ -199,15 +210,14 @@ class RankAdaptiveTrainer:
         self.last_pruned = {}
         if self._stage == EARLY and (due or plateaued):
             self.start_late_stage(counts)
-        elif self._stage == LATE and self._budget_check_due():
-            self._meet_budget(counts)
-            if self.prune_every:
+        else:
+            if self._stage == LATE and self._budget_check_due():
+                self._meet_budget(counts)
+            if self._prune_due():
                 self.prune()
-        elif self.prune_every and self.steps % self.prune_every == 0:
-            self.prune()
         self._counts = counts
         size = self._size_of(counts)
-        if self._stage == LATE:
+        if self._stage == LATE and self.schedule is None:
             self.lam = self._switch(task_loss, size)
             self._lam.fill_(self.lam)
         if self._history is not None:
@@ -339,14 +349,24 @@ class RankAdaptiveTrainer:
         return sum(sizes) + self._other
 
     def _budget_check_due(self) -> bool:
-        """Prune points, and where the schedule must hold: its end and the last step (with
-        ``prune_every=None``, ten checks over the late stage, masking only)."""
+        """Prune points, and where a schedule must hold: ten points over its span, its end
+        and the last step. Meeting the budget only switches channels off (no shape
+        changes), so it can follow the schedule closely; shapes change at prune points."""
         every = self.prune_every
-        if not every and self.schedule is not None:
-            every = max(1, (self.schedule.end - self.schedule.begin) // 10)
-        if every and self.steps % every == 0:
+        if self.schedule is None:
+            return bool(every) and self.steps % every == 0
+        span = max(1, (self.schedule.end - self.schedule.begin) // 10)
+        if (every and self.steps % every == 0) or (self.steps - self.schedule.begin) % span == 0:
             return True
-        return self.schedule is not None and self.steps in (self.schedule.end, self.total_steps)
+        return self.steps in (self.schedule.end, self.total_steps)
+
+    def _prune_due(self) -> bool:
+        """Every ``prune_every`` steps, and where the budget schedule ends (so the rest of
+        the run trains, and runs, at the final size)."""
+        if not self.prune_every:
+            return False
+        at_end = self.schedule is not None and self.steps == self.schedule.end
+        return self.steps % self.prune_every == 0 or at_end
 
     def _meet_budget(self, counts: list[int]) -> None:
         """Switch off the least important channels while the size lags the budget."""
@@ -380,7 +400,7 @@ class RankAdaptiveTrainer:
             stage=self._stage,
             task_loss=task_loss,
             rank_loss=rank_loss,
-            lam=self.lam if self._stage == LATE else None,
+            lam=self.lam if self._stage == LATE and self.schedule is None else None,
             budget=self.budget(),
             params=model_size(unwrap(self.model), ranks=ranks) if self.in_bytes else size,
             compression=dense / cores if cores else 1.0,

@@ -1,0 +1,59 @@
+"""Structure-aware scales: each core's fan-in, its init std and its learning-rate share.
+
+A chain of cores is a sequence of small linear maps, and each one should see its input
+at unit scale and move it, per optimizer step, as much as the dense layer it replaces
+moves its own (muP, extended to structured layers by Qiu et al., "Compute Better Spent",
+ICML 2024). Both follow from the core's *fan-in*: how many entries of the incoming
+activation one output entry sums over when the input sweeps through the chain.
+
+- init: core ``k`` gets ``std_k = c / sqrt(F_k)``, with ``c`` chosen so the product still
+  has the entry variance ``sigma**2`` of the weight it replaces;
+- learning rate (Adam): a core's relative change per step grows with ``lr * F_k``, and the
+  ``L`` cores' changes add up, so the dense layer's rate ``lr`` (fan-in ``F``) becomes
+  ``lr * F / (L * F_k)`` for core ``k``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def tt_linear_fan_ins(in_modes: Sequence[int], ranks: Sequence[int]) -> list[int]:
+    """TT linear (input cores, then output cores): an input core sums its mode and its left
+    bond, an output core only its left bond."""
+    d = len(in_modes)
+    num = len(ranks) - 1
+    return [ranks[k] * (in_modes[k] if k < d else 1) for k in range(num)]
+
+
+def ttm_fan_ins(in_modes: Sequence[int], ranks: Sequence[int]) -> list[int]:
+    """TTM linear: every core sums its input mode and its left bond."""
+    return [ranks[k] * n for k, n in enumerate(in_modes)]
+
+
+def lookup_fan_ins(ranks: Sequence[int]) -> list[int]:
+    """An embedding chain: a gathered core sums only its left bond (the first, nothing)."""
+    return [ranks[k] for k in range(len(ranks) - 1)]
+
+
+def fan_in_stds(fan_ins: Sequence[int], ranks: Sequence[int], sigma: float) -> list[float]:
+    """Per-core stds ``c / sqrt(F_k)`` whose chain product has entry variance ``sigma**2``.
+
+    ``var(W_ij) = prod_k std_k**2 * prod(internal ranks)`` (one term per index path), so
+    ``c**(2L) = sigma**2 * prod(F_k) / prod(internal ranks)``.
+    """
+    if sigma < 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma!r}")
+    num = len(fan_ins)
+    log_c2 = (2 * math.log(sigma) if sigma > 0 else -math.inf) + sum(
+        math.log(f) for f in fan_ins
+    ) - sum(math.log(r) for r in ranks[1:-1])
+    c2 = math.exp(log_c2 / num) if sigma > 0 else 0.0
+    return [math.sqrt(c2 / f) for f in fan_ins]
+
+
+def lr_multipliers(fan_ins: Sequence[int], dense_fan_in: int) -> list[float]:
+    """Each core's learning rate over the dense layer's: ``F / (L * F_k)``."""
+    num = len(fan_ins)
+    return [dense_fan_in / (num * f) for f in fan_ins]
