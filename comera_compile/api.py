@@ -88,7 +88,7 @@ def optimize(
     init: str = "random",
     format: str = "tt",
     max_rank: int | None = None,
-    compile: bool = True,
+    compile: bool | str = True,
     autotune: bool = False,
     inplace: bool = False,
     objective: str = "combo",
@@ -111,7 +111,10 @@ def optimize(
     ``compile=True`` (the default) compiles the result in place, as
     ``Module.compile(backend="comera")`` does (the whole model as one graph, compiled on
     the first call; then one graph per plan region of the batch size and per rank change;
-    the class is kept); ``compile=False`` returns the eager module.
+    the class is kept), then times the first training steps compiled against eager and
+    keeps the faster, so compiling never leaves a model slower (``summary`` says which
+    runs, and the measured ratio); ``compile="always"`` keeps it compiled without timing;
+    ``compile=False`` returns the eager module.
     ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
@@ -141,6 +144,8 @@ def optimize(
     # and drop them, so any later use of either name fails loudly instead of misleading.
     layer_format, compile_result = format, compile
     del format, compile
+    if compile_result not in (True, False, "always"):
+        raise ValueError(f"compile must be True, False or 'always', got {compile_result!r}")
     _check_arguments(model, init, layer_format, max_rank, objective)
     if memory != "default" and not compile_result:
         raise ValueError(f"memory={memory!r} acts while compiling; pass compile=True")
@@ -223,7 +228,8 @@ def optimize(
     if compile_result:  # in place (nn.Module.compile), so the result stays the user's class
         from comera_compile.compile import compile_model  # imports inductor: on demand
 
-        compile_model(target, memory=memory, host_memory=host_memory, in_place=True)
+        compile_model(target, memory=memory, host_memory=host_memory, in_place=True,
+                      measure=compile_result is True)
     return target
 
 

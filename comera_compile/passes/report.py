@@ -101,6 +101,7 @@ class Summary:
     returned: str = ""
     tied: dict[str, str] = field(default_factory=dict)  # head name -> embedding it reads
     notes: dict[str, str] = field(default_factory=dict)  # per layer: what changed in use
+    compiled: str = ""  # whether the model runs compiled, and why
 
     @property
     def compression(self) -> float:
@@ -128,6 +129,8 @@ class Summary:
             lines.append(f"capture: {self.capture_path} ({self.capture_reason})")
         if self.returned:
             lines.append(f"returned: {self.returned}")
+        if self.compiled:
+            lines.append(f"compiled: {self.compiled}")
         lines.append(text_table(header, rows))
         lines.append(
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
@@ -163,6 +166,7 @@ def _swapped(model: nn.Module, name: str) -> bool:
 
 def summary(model: nn.Module) -> Summary:
     """Summarise the tensorized layers of ``model`` (after ``optimize`` or built by hand)."""
+    compiled = _compiled(model)
     model = getattr(model, "_orig_mod", model)  # under torch.compile
     report = report_of(model)
     originals = report.originals if report else {}
@@ -186,7 +190,19 @@ def summary(model: nn.Module) -> Summary:
         report.returned if report else "",
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
         _notes(model),
+        compiled,
     )
+
+
+def _compiled(model: nn.Module) -> str:
+    """How the model runs: the measured compile's account, or plain facts."""
+    if hasattr(model, "_orig_mod"):
+        return "wrapped by torch.compile"
+    impl = getattr(model, "_compiled_call_impl", None)
+    if impl is None:
+        return ""
+    describe = getattr(impl, "describe", None)
+    return describe() if describe is not None else "compiled in place (torch.compile)"
 
 
 ERROR_WARNING = 0.5  # relative reconstruction error above which optimize warns

@@ -9,8 +9,11 @@
 
 ``loss`` adds the terms of the current stage; ``step`` does the bookkeeping: dead rank
 channels are frozen at exactly zero (with their optimizer state, so momentum cannot bring
-them back), channels are pruned for real every ``prune_every`` steps and at the stage
-switch, the late stage starts when due, and the history is recorded. ``prune_every=None``
+them back), channels are pruned for real every ``prune_every`` steps (100 by default), at
+the stage switch and where the run needs its final shapes, the late stage starts when due,
+and the history is recorded. A compiled model recompiles at each cut, so it is cut only
+once a third of its core parameters are dead (``COMPILED_MIN_CUT``) and where the run
+needs its final shapes: a few compiles per run, not one per prune. ``prune_every=None``
 never changes a parameter's shape (dead channels are only frozen at zero), for wrappers
 that fix shapes at wrap time (FSDP, a framework's own DDP); prune once after training.
 
@@ -66,6 +69,24 @@ from comera_compile.training.pruning import (
 from comera_compile.training.schedule import EARLY, LATE, BudgetSchedule, Plateau, size_weight
 from comera_compile.training.size import model_size
 
+PRUNE_EVERY = 100
+"""``prune_every="auto"``: how often dead channels are looked for and cut out."""
+
+COMPILED_MIN_CUT = 1 / 3
+"""A compiled model recompiles at every shape change, so it is cut only once a third of its
+core parameters are dead, and where the run needs its final shapes: at most a few
+compiles per run (``1 + log(1 / ratio) / log(3 / 2)`` cuts to reach a size ratio)."""
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model``'s training steps run through ``torch.compile`` (wrapped, or
+    compiled in place; not where ``optimize``'s measured compile chose eager)."""
+    model = getattr(model, "module", model)  # DDP
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return True
+    impl = getattr(model, "_compiled_call_impl", None)
+    return impl is not None and getattr(impl, "compiles_training", True)
+
 
 def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
     if total_steps is not None and (epochs is not None or steps_per_epoch is not None):
@@ -86,7 +107,7 @@ class RankAdaptiveTrainer:
         optimizer: torch.optim.Optimizer | None,
         target_ratio: float = 0.2,
         early_steps: int | str | None = "auto",
-        prune_every: int | None = 100,
+        prune_every: int | str | None = "auto",
         penalty_weight: float = 0.01,
         l2_weight: float = 0.0,
         target_params: int | None = None,
@@ -108,6 +129,8 @@ class RankAdaptiveTrainer:
         self.total_steps = _run_length(total_steps, epochs, steps_per_epoch)
         if early_steps == "auto":
             early_steps = 1000 if self.total_steps is None else max(1, self.total_steps // 5)
+        if prune_every == "auto":
+            prune_every = PRUNE_EVERY
         for name, value in (("early_steps", early_steps), ("prune_every", prune_every)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
@@ -130,6 +153,7 @@ class RankAdaptiveTrainer:
         self.penalty_weight, self.l2_weight = penalty_weight, l2_weight
         self.task_target, self.min_rank = task_target, min_rank
         self.settle_fraction = settle_fraction
+        self.cuts = 0  # prunes that changed shapes (each one a recompile when compiled)
         self.plateau = Plateau(plateau_patience)
         self.bank = GateBank(unwrap(model))
         self.collective = Collective()
@@ -214,7 +238,7 @@ class RankAdaptiveTrainer:
             if self._stage == LATE and self._budget_check_due():
                 self._meet_budget(counts)
             if self._prune_due():
-                self.prune()
+                self._prune_if_worth_it(counts, required=self._final_shapes_due())
         self._counts = counts
         size = self._size_of(counts)
         if self._stage == LATE and self.schedule is None:
@@ -238,14 +262,31 @@ class RankAdaptiveTrainer:
         gates are first checked equal on every rank."""
         self.collective.check_same(self.bank)
         self.last_pruned = prune_model(unwrap(self.model), self.optimizer)
+        self.cuts += bool(self.last_pruned)
         return self.last_pruned
+
+    def dead_share(self, counts: list[int] | None = None) -> float:
+        """The share of the cores' stored parameters that a prune now would remove."""
+        counts = self.bank.sizes() if counts is None else counts
+        stored = sum(self.bank.layer_parameters(self.bank.sizes()))
+        live = sum(self.bank.layer_parameters(counts))
+        return 1.0 - live / stored if stored else 0.0
+
+    def _prune_if_worth_it(self, counts: list[int], required: bool = False) -> None:
+        """Prune when the cut is worth a shape change: always for an eager model; for a
+        compiled one (a recompile per cut) when ``COMPILED_MIN_CUT`` of the cores are dead, or where
+        the run needs its final shapes (``required``: the budget's end, the run's end)."""
+        share = self.dead_share(counts)
+        min_cut = COMPILED_MIN_CUT if is_compiled(self.model) else 0.0
+        if share > 0 and (share >= min_cut or required):
+            self.prune()
 
     def start_late_stage(self, counts: list[int] | None = None) -> None:
         """Switch to the late stage now: prune (unless ``prune_every=None``), then fix
         ``S_t``, ``L_t``, the R scale and the budget schedule."""
         counts = self._read()[0] if counts is None else counts
         if self.prune_every:
-            self.prune()
+            self._prune_if_worth_it(counts)
         self.size_start = self._size_of(counts)
         if self.target_bytes is not None:
             self.size_target = float(self.target_bytes)
@@ -361,15 +402,19 @@ class RankAdaptiveTrainer:
         return self.steps in (self.schedule.end, self.total_steps)
 
     def _prune_due(self) -> bool:
-        """Every ``prune_every`` steps, and where the budget schedule ends (so the rest of
-        the run trains, and runs, at the final size)."""
+        """Every ``prune_every`` steps, where the budget schedule ends (so the rest of the
+        run trains, and runs, at the final size) and at the run's last step."""
         if not self.prune_every:
             return False
-        at_end = self.schedule is not None and self.steps == self.schedule.end
-        return self.steps % self.prune_every == 0 or at_end
+        return self.steps % self.prune_every == 0 or self._final_shapes_due()
+
+    def _final_shapes_due(self) -> bool:
+        ends = (self.schedule.end if self.schedule is not None else None, self.total_steps)
+        return self._stage == LATE and self.steps in ends
 
     def _meet_budget(self, counts: list[int]) -> None:
-        """Switch off the least important channels while the size lags the budget."""
+        """Switch off the least important channels while the size lags the budget
+        (``choose_removals`` updates ``counts`` to match)."""
         if self.schedule is None:
             return
         excess = self._size_of(counts) - self.schedule(self.steps)
