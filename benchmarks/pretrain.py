@@ -13,6 +13,9 @@ steps and schedule, and reports held-out bits per byte:
 - one row per format (``tt``, ``ttm``, ``lowrank``, ``cola``) at the same budget;
 - ``comera``: rank-adaptive training that starts twice as large and ends at the size of
   the ``tt`` row (``comera`` is compared with ``tt``: same layers, same final size);
+- ``comera-compiled`` / ``default-compiled``: the same runs with ``optimize``'s default
+  ``compile=True`` (compiled, raced against eager in the first steps), whose time
+  includes every compile; the graphs compiled are counted;
 - ``galore``: the full model with GaLore's optimizer (skipped if ``galore-torch`` is absent).
 
 It prints, and writes to ``benchmarks/results/pretrain.md``, val bits per byte at equal
@@ -44,10 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
+from comera_compile.compile import graphs_compiled  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 FORMAT_ROWS = ("tt", "ttm", "lowrank", "cola")
-ALL_ROWS = ("dense", "dense-equal", "default", *FORMAT_ROWS, "comera", "galore")
+ALL_ROWS = ("dense", "dense-equal", "default", *FORMAT_ROWS, "comera", "comera-compiled",
+            "default-compiled", "galore")
 
 
 # ----- data ---------------------------------------------------------------------------------
@@ -128,9 +133,11 @@ def build(args, row: str):
         target = count(build(args, "default")[0])
         torch.manual_seed(args.seed)
         return narrower(args, target)[0], None
+    compiled = row.endswith("-compiled") or args.compile
+    row = row.removesuffix("-compiled")
     budget = args.budget * 2 if row == "comera" else args.budget
     kwargs = {} if row == "default" else {"format": "tt" if row == "comera" else row}
-    model = cc.optimize(dense, budget=budget, example_inputs=example, compile=args.compile,
+    model = cc.optimize(dense, budget=budget, example_inputs=example, compile=compiled,
                         **kwargs)
     return model, None
 
@@ -190,7 +197,7 @@ def run_row(args) -> dict:
     optimizer = optimizer_for(args, args.row, model)
     base = [g["lr"] for g in optimizer.param_groups]
     trainer = None
-    if args.row == "comera":
+    if args.row.startswith("comera"):
         fixed = count(build(args, "tt")[0])
         trainer = cc.training.RankAdaptiveTrainer(  # defaults, but for the run's length
             model, optimizer, target_params=fixed, total_steps=args.steps)
@@ -222,7 +229,10 @@ def run_row(args) -> dict:
                 print(f"  {args.row} step {step + 1} {elapsed:.1f}s val {curve[-1][2]:.3f}",
                       file=sys.stderr, flush=True)
     peak = max(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    compiled = "compiled" in args.row or args.compile
     return {
+        "compiles": graphs_compiled() if compiled else 0,
+        "how": cc.summary(model).compiled if cc.nn.tensorized_layers(model) else "",
         "row": args.row,
         "params_start": params_start,
         "params_end": count(model),
@@ -239,6 +249,30 @@ def at_time(curve: list, seconds: float) -> tuple[float, bool]:
         if t0 <= seconds <= t1:
             return v0 + (v1 - v0) * (seconds - t0) / max(t1 - t0, 1e-9), False
     return curve[-1][2], seconds > curve[-1][1]
+
+
+def comparisons(results: dict, clock: float) -> list[str]:
+    """The side-by-side readings the targets name, from rows of this run."""
+    end = {row: r["curve"][-1][2] for row, r in results.items()}
+    lines = []
+    for row in ("default", *FORMAT_ROWS):
+        if row in end and "dense-equal" in end:
+            gap = end[row] - end["dense-equal"]
+            lines.append(f"{row} - dense-equal at equal steps: {gap:+.3f} bpb (negative: "
+                         "structure pays at equal parameters)")
+        if row in end and "dense" in end:
+            gap = at_time(results[row]["curve"], clock)[0] - at_time(results["dense"]["curve"],
+                                                                      clock)[0]
+            lines.append(f"{row} - dense at {clock:.0f} s: {gap:+.3f} bpb")
+    if "comera" in end and "tt" in end:
+        lines.append(f"comera - tt (same final size): {end['comera'] - end['tt']:+.3f} bpb")
+    for row in results:
+        eager = row.removesuffix("-compiled")
+        if row.endswith("-compiled") and eager in results:
+            ratio = results[eager]["curve"][-1][1] / results[row]["curve"][-1][1]
+            lines.append(f"{row} over {eager}, end to end (compiles included): {ratio:.2f}x, "
+                         f"{results[row]['compiles']} graphs compiled; {results[row]['how']}")
+    return lines
 
 
 def race(args) -> None:
@@ -267,17 +301,19 @@ def race(args) -> None:
               f"({time.time() - t0:.0f} s)", flush=True)
     clock_row = "default" if "default" in results else rows[0]
     clock = results[clock_row]["curve"][-1][1]
-    header = ["row", "params", "s/step", "train MB", f"val bpb @ {args.steps} steps",
-              f"val bpb @ {clock:.0f} s"]
+    header = ["row", "params", "s/step", "train s", "compiles", "train MB",
+              f"val bpb @ {args.steps} steps", f"val bpb @ {clock:.0f} s"]
     table = []
     for row, r in results.items():
         value, short = at_time(r["curve"], clock)
         params = f"{r['params_start']:,}"
         if r["params_end"] != r["params_start"]:
             params += f" -> {r['params_end']:,}"
-        table.append([row, params, f"{r['s_per_step']:.3f}", f"{r['train_mb']:.0f}",
+        table.append([row, params, f"{r['s_per_step']:.3f}", f"{r['curve'][-1][1]:.0f}",
+                      str(r["compiles"] or "-"), f"{r['train_mb']:.0f}",
                       f"{r['curve'][-1][2]:.3f}", f"{value:.3f}" + (" (ended)" if short else "")])
     text = text_table(header, table, right=range(1, len(header)))
+    text += "\n\n" + "\n".join(comparisons(results, clock))
     print(text)
     setup = (f"LlamaForCausalLM {args.layers} x {args.hidden} (FFN {args.ffn}, {args.heads} "
              f"heads), byte vocabulary, sequence {args.seq}, batch {args.batch}, {args.steps} "

@@ -76,6 +76,7 @@ from comera_compile.compile.recompute import SaveRandomValues, partition_keeping
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
 log = logging.getLogger("comera_compile")
+_graphs_compiled = 0
 _warned_plain = False
 _hinted_huge_pages = False
 
@@ -177,8 +178,16 @@ def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
+def graphs_compiled() -> int:
+    """How many graphs this backend has compiled in this process (each dynamo graph once;
+    its forward and backward are one compile here): recompiles show up as growth."""
+    return _graphs_compiled
+
+
 def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
     """Compile one dynamo graph: tune its tensorized contractions, then inductor."""
+    global _graphs_compiled
+    _graphs_compiled += 1
     opts = parse_options(kwargs.get("options"), kwargs.get("mode"))
     nodes = tensorized_nodes(gm)
     if nodes:
