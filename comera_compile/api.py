@@ -123,11 +123,13 @@ def optimize(
     for 5-33% more step time than the default compiled step, +18% at the median of four
     paired runs (``benchmarks/step.py``; README, "Compiled training"); a
     number below 1 (``memory=0.05``) recomputes more, for less memory and more time.
-    ``host_memory`` (compiled models on CPU): ``"cache"`` keeps
-    freed blocks of 1 MiB or more by size for the next step's requests of that size,
-    ``"reuse"`` keeps freed memory in glibc's heap (both: large activations are not faulted
-    in anew each step), ``"release"`` unmaps freed blocks at once; None takes the cache
-    (where it cannot be built: reuse, or release with ``memory="low"``).
+    ``host_memory`` (compiled models on CPU): None or ``"off"`` (the default) leaves torch's
+    CPU allocator and glibc's ``malloc`` settings alone. The other settings change the
+    whole process, every model in it: ``"cache"`` keeps freed blocks of 1 MiB or more by
+    size for the next step's requests of that size, ``"reuse"`` keeps freed memory in
+    glibc's heap (both: large activations are not faulted in anew each step, for more
+    resident memory), ``"release"`` unmaps freed blocks at once
+    (``comera_compile.compile.host_memory``).
     A model built under ``torch.device("meta")`` (too big to build dense) takes
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer

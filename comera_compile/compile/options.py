@@ -20,7 +20,7 @@ OWN_KEYS = (
     "absorb_attention",
 )
 
-HOST_MEMORY = ("cache", "reuse", "release")
+HOST_MEMORY = ("off", "cache", "reuse", "release")
 
 MEMORY_BUDGETS = {"default": 1.0, "low": 0.999}
 """``memory`` settings as AOT autograd activation budgets. Any budget below 1 recomputes
@@ -38,13 +38,16 @@ class BackendOptions:
     debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute the wide
     outputs of thin products in backward: about 3x less training memory than dense for
     more step time) or a budget in ``(0, 1]``, AOT autograd's fraction of activations kept
-    (any budget below 1 recomputes thin products too). ``host_memory``: on CPU,
-    ``"cache"`` keeps freed blocks of 1 MiB or more by size for the next request of that
-    size, ``"reuse"`` keeps freed blocks in glibc's heap (both: each step's large
-    activations are not mapped and faulted in anew), ``"release"`` hands every freed block
-    of 128 KiB or more back to the OS at once (``compile.host_memory``; process-wide;
-    None: the cache, or where it cannot be built, reuse with the default memory budget
-    and release with a lower one).
+    (any budget below 1 recomputes thin products too).
+    ``host_memory``: ``"off"`` (the default; None means the same) leaves torch's CPU
+    allocator and glibc's ``malloc`` settings alone. The others change the whole process,
+    not only this model (``compile.host_memory``): ``"cache"`` keeps freed blocks of 1 MiB
+    or more by size for the next request of that size (a C++ allocator installed as
+    torch's CPU allocator), ``"reuse"`` keeps freed blocks in glibc's heap (both: each
+    step's large activations are not mapped and faulted in anew, for more resident
+    memory), ``"release"`` hands every freed block of 128 KiB or more back to the OS at
+    once (the least resident memory, a page fault per page touched). The first compile
+    that asks for a mode sets it; a later one asking for another warns and leaves it.
     ``absorb_attention``: compute attentions whose Q, K, V and O are TT layers through their
     rank bonds where that costs fewer flops (``compile.absorbed_attention``; default on).
     ``config``: inductor config patches."""
@@ -54,7 +57,7 @@ class BackendOptions:
     objective: str | None = None
     inductor: bool = True
     memory: float = 1.0
-    host_memory: str | None = None
+    host_memory: str = "off"
     absorb_attention: bool = True
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -93,7 +96,8 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Ba
     )
     out.memory = parse_memory(options.pop("memory", "default"))
     host_memory = options.pop("host_memory", None)
-    if host_memory is not None and host_memory not in HOST_MEMORY:
+    host_memory = "off" if host_memory is None else host_memory
+    if host_memory not in HOST_MEMORY:
         raise ValueError(
             f"comera option 'host_memory' must be one of {list(HOST_MEMORY)} or None, "
             f"got {host_memory!r}"
