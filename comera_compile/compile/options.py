@@ -13,6 +13,14 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 
+from comera_compile.config import (
+    HOST_MEMORY_MODES,
+    MEMORY_BUDGETS,  # noqa: F401 - re-exported
+    CompileOptions,
+    _flag,
+    check_host_memory,
+    parse_memory,
+)
 from comera_compile.planner import parse_objective
 
 OWN_KEYS = (
@@ -20,14 +28,7 @@ OWN_KEYS = (
     "absorb_attention",
 )
 
-HOST_MEMORY = ("off", "cache", "reuse", "release")
-
-MEMORY_BUDGETS = {"default": 1.0, "low": 0.999}
-"""``memory`` settings as AOT autograd activation budgets. Any budget below 1 recomputes
-the outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them
-alone (``compile.recompute``) and lets the min-cut recompute long fusible chains; "low" stops
-there (0.999 asks AOT autograd for nothing more). Lower budgets also recompute, by AOT
-autograd's flop-priced knapsack, layer norms, attention and the rest of each layer."""
+HOST_MEMORY = HOST_MEMORY_MODES
 
 
 @dataclass
@@ -62,30 +63,12 @@ class BackendOptions:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def _flag(name: str, value: Any, allow_none: bool = True) -> bool | None:
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, bool):
-        raise TypeError(f"comera option {name!r} must be a bool, got {value!r}")
-    return value
-
-
-def parse_memory(memory: str | float) -> float:
-    """The activation budget of a ``memory`` setting (a name or a fraction in ``(0, 1]``)."""
-    if isinstance(memory, str):
-        if memory not in MEMORY_BUDGETS:
-            raise ValueError(
-                f"comera option 'memory' must be one of {list(MEMORY_BUDGETS)} or a fraction "
-                f"in (0, 1], got {memory!r}"
-            )
-        return MEMORY_BUDGETS[memory]
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1:
-        raise ValueError(f"comera option 'memory' as a number must lie in (0, 1], got {memory!r}")
-    return float(memory)
-
-
-def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> BackendOptions:
-    """Validate ``options`` (and torch.compile's ``mode``) into :class:`BackendOptions`."""
+def parse_options(options: dict[str, Any] | CompileOptions | None,
+                  mode: str | None = None) -> BackendOptions:
+    """Validate ``options`` (a dict or :class:`~comera_compile.config.CompileOptions`, and
+    torch.compile's ``mode``) into :class:`BackendOptions`."""
+    if isinstance(options, CompileOptions):
+        options = options.to_backend_options()
     options = dict(options or {})
     out = BackendOptions(
         cudagraphs=_flag("cudagraphs", options.pop("cudagraphs", None)),
@@ -95,14 +78,7 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Ba
             "absorb_attention", options.pop("absorb_attention", True), allow_none=False)),
     )
     out.memory = parse_memory(options.pop("memory", "default"))
-    host_memory = options.pop("host_memory", None)
-    host_memory = "off" if host_memory is None else host_memory
-    if host_memory not in HOST_MEMORY:
-        raise ValueError(
-            f"comera option 'host_memory' must be one of {list(HOST_MEMORY)} or None, "
-            f"got {host_memory!r}"
-        )
-    out.host_memory = host_memory
+    out.host_memory = check_host_memory(options.pop("host_memory", None))
     objective = options.pop("objective", None)
     if objective is not None:
         if not isinstance(objective, str):
