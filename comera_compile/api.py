@@ -126,9 +126,8 @@ def optimize(
     few contraction orders of each layer on first use; ``objective`` is the planner's cost
     (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes the
     wide outputs of thin (rank-bond) products in backward and keeps dropout masks as bits:
-    for the six-encoder at batch 32 on a 2-core CPU, 3.2x less training memory than dense
-    for 5-33% more step time than the default compiled step, +18% at the median of four
-    paired runs (``benchmarks/step.py``; README, "Compiled training"); a
+    much less training memory for some more step time (``python benchmarks/step.py``
+    measures both, row ``comera-compiled-low``); a
     number below 1 (``memory=0.05``) recomputes more, for less memory and more time.
     ``host_memory`` (compiled models on CPU): None or ``"off"`` (the default) leaves torch's
     CPU allocator and glibc's ``malloc`` settings alone. The other settings change the

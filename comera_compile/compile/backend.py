@@ -19,11 +19,10 @@ holds one recognisable node per tensorized layer. The backend
    inductor fuses it with the rest of the model and, on CUDA, runs it under CUDA Graph
    trees; a new region or a pruned rank is a new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
-   costs more CPU time there (558 vs 446 ms per step of a 2-layer six-encoder at batch
-   8, one thread), and hashes dropout masks from element indices and two random keys per
-   call (``compile.dropout``): computed inside the kernel that applies them, on every
-   core, with no random buffer. The masks are alike in distribution, not identical to
-   eager's.
+   costs more CPU time there (``python benchmarks/kernels.py``, dropout section), and
+   hashes dropout masks from element indices and two random keys per call
+   (``compile.dropout``): computed inside the kernel that applies them, on every core,
+   with no random buffer. The masks are alike in distribution, not identical to eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
    (``compile.recompute``): a recomputed dropout would draw a new mask. On CPU, at every
    budget, it saves the keys of the hashed masks and marks the masks recomputed: backward

@@ -2,8 +2,7 @@
 
 A training step allocates the same large activations in the same sizes every step. glibc
 either unmaps each freed block at once (every step then pays a page fault per 4 KiB page it
-touches anew: 370k faults per step for the six-encoder at batch 32 in the README's
-previous low-memory row)
+touches anew; ``python benchmarks/step.py`` prints the faults per step of each row)
 or keeps it in its heap, where blocks of many sizes freed in a new order leave holes that
 raise the resident peak above what is live (``compile.host_memory``).
 

@@ -37,9 +37,9 @@ class BackendOptions:
     ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels; for
     debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute the wide
-    outputs of thin products in backward: about 3x less training memory than dense for
-    more step time) or a budget in ``(0, 1]``, AOT autograd's fraction of activations kept
-    (any budget below 1 recomputes thin products too).
+    outputs of thin products in backward: less training memory for more step time;
+    ``python benchmarks/step.py`` measures both) or a budget in ``(0, 1]``, AOT
+    autograd's fraction of activations kept (any budget below 1 recomputes thin products too).
     ``host_memory``: ``"off"`` (the default; None means the same) leaves torch's CPU
     allocator and glibc's ``malloc`` settings alone. The others change the whole process,
     not only this model (``compile.host_memory``): ``"cache"`` keeps freed blocks of 1 MiB
