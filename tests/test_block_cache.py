@@ -213,6 +213,11 @@ def test_the_build_directory_is_private(tmp_path, monkeypatch):
     os.symlink(elsewhere, directory)  # a link to somewhere else is refused
     with pytest.raises(block_cache.UnsafeCacheDir):
         block_cache._private_dir(directory)
+    out = run("""
+print(json.dumps({"installed": bc.install()}))
+""")
+    assert out == {"installed": True}  # built in a private temporary directory instead
+    assert list(elsewhere.iterdir()) == []  # nothing was written through the link
 
 
 def test_cache_dir_off_builds_nothing_on_disk_and_in_no_directory_named_off(tmp_path):

@@ -21,18 +21,18 @@ large requests), so a size an earlier batch shape asked for goes back to the OS 
 every later request hits. A ``fork`` taken while another thread allocates cannot leave the
 child's cache locked (``pthread_atfork`` handlers).
 
-It is a small C++ file compiled against torch's c10 on first use (a C++ compiler is needed,
-as for inductor on CPU) and installed with ``c10::SetCPUAllocator``: process-wide, for
-tensors allocated after it, and only when asked for (``host_memory="cache"``). The library
-is built into ``block_cache/`` under the package's cache directory
+It is a small C++ file compiled against torch's c10 on first use (a C++ compiler is
+needed, as for inductor on CPU) and installed with ``c10::SetCPUAllocator``: process-wide,
+for tensors allocated after it, and only when asked for (``host_memory="cache"``). The
+library is built into ``block_cache/`` under the package's cache directory
 (:func:`comera_compile.planner.cache.cache_root`), a directory private to the user (0700,
-owned by them: refused otherwise); the SHA-256 of the file is recorded when it is built
-and checked before it is loaded, and the checked bytes are what is loaded (from an
-anonymous in-memory file), so a library planted or changed on disk never runs. With
-``COMERA_CACHE_DIR=off`` it is built into a private temporary directory for this process
-and removed. :func:`install` returns False, with one INFO line saying why, wherever it
-cannot be built or loaded (no compiler, no ``setuptools``, a build past
-``BUILD_TIMEOUT`` seconds, not Linux), and the caller keeps glibc's allocator.
+owned by them; otherwise it is built in a private temporary directory); the SHA-256 of the
+file is recorded when it is built and checked before it is loaded, and the checked bytes
+are what is loaded (from an anonymous in-memory file), so a library planted or changed on
+disk never runs. With ``COMERA_CACHE_DIR=off`` it is built into a private temporary
+directory for this process and removed. :func:`install` returns False, with one INFO line
+saying why, wherever it cannot be built or loaded (no compiler, no ``setuptools``, a build
+past ``BUILD_TIMEOUT`` seconds, not Linux), and the caller keeps glibc's allocator.
 """
 
 from __future__ import annotations
@@ -120,12 +120,18 @@ def _build() -> bytes:
     """The allocator built against this torch (once per source and torch version, kept in
     the private build directory with its hash), as checked bytes."""
     directory = _build_dir()
+    if directory is not None:
+        try:
+            directory = _private_dir(directory)
+        except (UnsafeCacheDir, OSError) as err:
+            log.info("comera: not building the CPU block cache under %s (%s); building it "
+                     "in a private temporary directory instead", directory, err)
+            directory = None
     if directory is None:  # no disk cache: build in a private directory of our own, once
         with tempfile.TemporaryDirectory(prefix="comera-block-cache-") as tmp:  # 0700
             target = Path(tmp) / "block_cache.so"
             _compile(target)
             return target.read_bytes()
-    directory = _private_dir(directory)
     key = _key()
     target = directory / f"block_cache_{key[:16]}.so"
     digest = target.with_suffix(".sha256")
