@@ -30,6 +30,7 @@ from typing import Any
 from comera_compile.formats import positive_int
 from comera_compile.passes import Budget, check_format, check_init, parse_budget
 from comera_compile.passes.report import report_of
+from comera_compile.passes.targets import check_layer_config
 from comera_compile.planner import parse_objective
 
 HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
@@ -75,6 +76,19 @@ def _flag(name: str, value: Any, allow_none: bool = True) -> bool | None:
     if not isinstance(value, bool):
         raise TypeError(f"comera option {name!r} must be a bool, got {value!r}")
     return value
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with tuples as lists and numpy / torch scalars as Python numbers."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item"):  # a numpy or torch scalar
+        return value.item()
+    raise TypeError(f"a configuration value must be JSON-able, got {value!r}")
 
 
 def _from_dict(cls, data: dict[str, Any]):
@@ -151,7 +165,7 @@ class CompileOptions:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-able."""
-        return dataclasses.asdict(self)
+        return _jsonable(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CompileOptions:
@@ -210,6 +224,7 @@ class CompressionConfig:
             positive_int("max_rank", self.max_rank)
         parse_objective(self.objective)
         parse_budget(self.budget)  # a bad budget fails here, with the accepted forms
+        check_layer_config(self.layer_config)
         _flag("autotune", self.autotune, allow_none=False)
         _flag("fuse", self.fuse, allow_none=False)
         _flag("compile", self.compile, allow_none=False)
@@ -233,10 +248,7 @@ class CompressionConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["budget"] = _budget_to_json(self.budget)
         out["compile_options"] = self.compile_options.to_dict()
-        for key in ("include", "exclude"):
-            if isinstance(out[key], tuple):
-                out[key] = list(out[key])
-        return out
+        return _jsonable(out)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CompressionConfig:

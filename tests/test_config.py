@@ -28,6 +28,7 @@ def mlp():
     ({"compile": False, "compile_options": {"memory": "low"}}, ValueError,
      "acts while compiling"),
     ({"compile_options": {"memroy": "low"}}, ValueError, r"unknown CompileOptions fields"),
+    ({"layer_config": {"0": {"rank": 4}}}, ValueError, r"unknown settings \['rank'\]"),
 ])
 def test_compression_config_checks_every_field_when_built(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -57,6 +58,16 @@ def test_configs_round_trip_through_json(budget):
     assert cc.CompressionConfig.from_dict(json.loads(text)) == config
     options = config.compile_options
     assert cc.CompileOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
+
+
+def test_numpy_values_and_tuples_are_saved_as_json():
+    import numpy as np
+
+    config = cc.CompressionConfig(max_rank=np.int64(8), include=("0", "2"),
+                                  layer_config={"0": {"ranks": (np.int64(4),)}})
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["max_rank"] == 8 and data["include"] == ["0", "2"]
+    assert data["layer_config"] == {"0": {"ranks": [4]}}
 
 
 def test_compile_options_become_the_backend_options_dict():
