@@ -99,7 +99,8 @@ def optimize(
 
     ``optimize(model, config)`` (or ``config=``) takes every setting from a
     :class:`~comera_compile.config.CompressionConfig`; the keyword arguments below are a
-    front that builds one (passing both is refused). The config ends up in the model's
+    front that builds one (a keyword set to anything but its default beside a config is
+    refused; keywords at their defaults are ignored there). The config ends up in the model's
     report and in its checkpoint (:func:`~comera_compile.config.config_of`). Per call, not
     part of the config: ``example_inputs``, ``filter_fn`` and ``inplace``.
     ``budget``: a float in (0, 1] is the share of parameters to keep (``1.0``: all), a
