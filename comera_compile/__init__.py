@@ -3,7 +3,10 @@
 from comera_compile import training
 from comera_compile.api import (
     Budget,
+    CompileOptions,
+    CompressionConfig,
     Summary,
+    config_of,
     load,
     optimize,
     plans,
@@ -17,11 +20,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Budget",
+    "CompileOptions",
+    "CompressionConfig",
     "LowRankLinear",
     "Summary",
     "TTEmbedding",
     "TTLinear",
     "TTMLinear",
+    "config_of",
     "load",
     "optimize",
     "plans",

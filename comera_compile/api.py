@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.formats import positive_int, positive_ints
+from comera_compile.config import CompileOptions, CompressionConfig, config_of
+from comera_compile.formats import positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes import (
@@ -19,8 +20,6 @@ from comera_compile.passes import (
     Summary,
     attach_report,
     capture,
-    check_format,
-    check_init,
     eligible_options,
     exact_graph_module,
     find_candidates,
@@ -37,10 +36,11 @@ from comera_compile.passes import (
     split_attention,
     summary,
 )
-from comera_compile.planner import PlanReport, parse_objective
+from comera_compile.planner import PlanReport
 
 __all__ = [
-    "Budget", "Summary", "load", "optimize", "plans", "save", "summary", "to_graph_module"
+    "Budget", "CompileOptions", "CompressionConfig", "Summary", "config_of", "load",
+    "optimize", "plans", "save", "summary", "to_graph_module",
 ]
 
 
@@ -51,16 +51,6 @@ def _totals(model: nn.Module, macs: int | None) -> dict[str, int | None]:
         "bytes": sum(p.numel() * p.element_size() for p in params),
         "macs": macs,
     }
-
-
-def _check_arguments(model, init, layer_format, max_rank, objective) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"optimize takes an nn.Module, got {type(model).__name__}")
-    check_init(init)
-    check_format(layer_format)
-    if max_rank is not None:
-        positive_int("max_rank", max_rank)
-    parse_objective(objective)
 
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -76,10 +66,18 @@ def _check_dtypes(candidates) -> None:
             )
 
 
+_OPTIMIZE_DEFAULTS = {
+    "budget": None, "format": "tt", "init": "random", "max_rank": None, "include": None,
+    "exclude": None, "layer_config": None, "objective": "combo", "autotune": False,
+    "fuse": False, "device": "cpu", "compile": True, "memory": "default", "host_memory": None,
+}
+
+
 def optimize(
     model: nn.Module,
-    budget: float | int | str | Budget | None = None,
+    budget: float | int | str | Budget | CompressionConfig | None = None,
     *,
+    config: CompressionConfig | None = None,
     example_inputs: Any = None,
     include: str | list[str] | None = None,
     exclude: str | list[str] | None = None,
@@ -99,6 +97,16 @@ def optimize(
 ) -> nn.Module:
     """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` to meet ``budget``.
 
+    ``optimize(model, config)`` (or ``config=``) takes every setting from a
+    :class:`~comera_compile.config.CompressionConfig`; the keyword arguments below are a
+    front that builds one (a keyword set to anything but its default beside a config is
+    refused; keywords at their defaults are ignored there). The config ends up in the model's
+    report and in its checkpoint (:func:`~comera_compile.config.config_of`). Per call, not
+    part of the config: ``example_inputs``, ``filter_fn`` and ``inplace``.
+    ``budget``: a float in (0, 1] is the share of parameters to keep (``1.0``: all), a
+    string ``"40x"`` or ``Budget(ratio=40)`` a compression ratio (40 times smaller), an int
+    a parameter count (ints up to 100 are refused: they read like a share or a ratio).
+
     Returns a copy of ``model`` of the same class, with the chosen layers swapped for
     tensorized ones: its methods, attributes, ``isinstance`` and ``train()`` / ``eval()`` all
     hold. ``model`` is left untouched unless ``inplace=True`` (layers swapped in ``model``
@@ -113,7 +121,7 @@ def optimize(
     the first call; then one graph per plan region of the batch size and per rank change;
     the class is kept), then times the first training steps compiled against eager and
     keeps the faster, so compiling never leaves a model slower (``summary`` says which
-    runs, and the measured ratio); ``compile="always"`` keeps it compiled without timing;
+    runs, with the measured ratio); ``compile="always"`` keeps it compiled without timing;
     ``compile=False`` returns the eager module.
     ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
@@ -122,15 +130,16 @@ def optimize(
     few contraction orders of each layer on first use; ``objective`` is the planner's cost
     (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes the
     wide outputs of thin (rank-bond) products in backward and keeps dropout masks as bits:
-    for the six-encoder at batch 32 on a 2-core CPU, 3.2x less training memory than dense
-    for 5-33% more step time than the default compiled step, +18% at the median of four
-    paired runs (``benchmarks/step.py``; README, "Compiled training"); a
+    much less training memory for some more step time (``python benchmarks/step.py``
+    measures both, row ``comera-compiled-low``); a
     number below 1 (``memory=0.05``) recomputes more, for less memory and more time.
-    ``host_memory`` (compiled models on CPU): ``"cache"`` keeps
-    freed blocks of 1 MiB or more by size for the next step's requests of that size,
-    ``"reuse"`` keeps freed memory in glibc's heap (both: large activations are not faulted
-    in anew each step), ``"release"`` unmaps freed blocks at once; None takes the cache
-    (where it cannot be built: reuse, or release with ``memory="low"``).
+    ``host_memory`` (compiled models on CPU): None or ``"off"`` (the default) leaves torch's
+    CPU allocator and glibc's ``malloc`` settings alone. The other settings change the
+    whole process, every model in it: ``"cache"`` keeps freed blocks of 1 MiB or more by
+    size for the next step's requests of that size, ``"reuse"`` keeps freed memory in
+    glibc's heap (both: large activations are not faulted in anew each step, for more
+    resident memory), ``"release"`` unmaps freed blocks at once
+    (``comera_compile.compile.host_memory``).
     A model built under ``torch.device("meta")`` (too big to build dense) takes
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer
@@ -140,21 +149,45 @@ def optimize(
     changes, so the result is then the fused ``torch.fx.GraphModule`` (the model must trace
     exactly).
     """
-    # The public keywords `format` and `compile` shadow builtins: bind them to plain names
-    # and drop them, so any later use of either name fails loudly instead of misleading.
-    layer_format, compile_result = format, compile
-    del format, compile
-    if compile_result not in (True, False, "always"):
-        raise ValueError(f"compile must be True, False or 'always', got {compile_result!r}")
-    _check_arguments(model, init, layer_format, max_rank, objective)
-    if memory != "default" and not compile_result:
-        raise ValueError(f"memory={memory!r} acts while compiling; pass compile=True")
-    if host_memory is not None:
-        if not compile_result:
-            raise ValueError(f"host_memory={host_memory!r} acts while compiling; pass compile=True")
-        from comera_compile.compile.options import parse_options
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize takes an nn.Module, got {type(model).__name__}")
+    if isinstance(budget, CompressionConfig):
+        if config is not None:
+            raise ValueError("optimize takes one CompressionConfig: as the second argument or "
+                             "config=, not both")
+        budget, config = None, budget
+    keywords = {"budget": budget, "format": format, "init": init, "max_rank": max_rank,
+                "include": include, "exclude": exclude, "layer_config": layer_config,
+                "objective": objective, "autotune": autotune, "fuse": fuse,
+                "device": device, "compile": compile}
+    compile_keywords = {"memory": memory, "host_memory": host_memory}
+    if config is None:
+        if host_memory is not None and not compile:
+            raise ValueError(f"host_memory={host_memory!r} acts while compiling; pass "
+                             "compile=True")
+        config = CompressionConfig(
+            **keywords, compile_options=CompileOptions(**{
+                k: v for k, v in compile_keywords.items() if v is not None}))
+    else:
+        if not isinstance(config, CompressionConfig):
+            raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
+        given = [name for name, value in {**keywords, **compile_keywords}.items()
+                 if value is not None and value != _OPTIMIZE_DEFAULTS[name]]
+        if given:
+            raise ValueError(
+                f"optimize got a CompressionConfig and the keyword(s) {given}; set them on "
+                "the config instead (dataclasses.replace(config, ...))")
+    return _optimize(model, config, example_inputs, filter_fn, inplace)
 
-        parse_options({"host_memory": host_memory})  # a bad value fails before any work
+
+def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
+              filter_fn: Callable[[nn.Module, str], bool] | None, inplace: bool) -> nn.Module:
+    """``optimize`` with its settings in ``config``."""
+    budget, init, max_rank = config.budget, config.init, config.max_rank
+    include, exclude, layer_config = config.include, config.exclude, config.layer_config
+    autotune, objective, device, fuse = (config.autotune, config.objective, config.device,
+                                         config.fuse)
+    layer_format, compile_result = config.format, config.compile
     budget = parse_budget(budget)
     target = model if inplace else copy.deepcopy(model)
     attentions = split_attention(target)  # its projections become ordinary Linear layers
@@ -216,7 +249,7 @@ def optimize(
     report = OptimizeReport(
         captured.path,
         captured.reason,
-        None if budget is None else str(budget),
+        None if parse_budget(budget) is None else str(parse_budget(budget)),
         selection.rank,
         init,
         before,
@@ -224,11 +257,12 @@ def optimize(
         selection.skipped,
         _returned(target, captured.graph_exact),
     )
+    report.config = config.to_dict()
     attach_report(target, report)
     if compile_result:  # in place (nn.Module.compile), so the result stays the user's class
         from comera_compile.compile import compile_model  # imports inductor: on demand
 
-        compile_model(target, memory=memory, host_memory=host_memory, in_place=True,
+        compile_model(target, config.compile_options, inplace=True,
                       measure=compile_result is True)
     return target
 

@@ -211,7 +211,7 @@ def test_in_place_compile_of_a_torch_module_is_one_graph_not_one_per_layer():
         block.linear2 = TTLinear(128, 64, ranks=4)
     eager = copy.deepcopy(model)
     counters.clear()
-    compiled = cc.compile_model(model, in_place=True, inductor=False)
+    compiled = cc.compile_model(model, inplace=True, inductor=False)
     assert compiled is model and type(model) is nn.TransformerEncoder
     for batch in (2, 3, 5, 9):
         x = torch.randn(batch, 8, 64)

@@ -1,7 +1,11 @@
-"""Host memory on CPU: under reuse, freed large blocks stay in the heap, so a step that
-allocates the same large activations again does not fault their pages in anew; under
-release, they go back to the OS at once."""
+"""Host memory on CPU: nothing process-wide changes unless asked for; under reuse, freed
+large blocks stay in the heap, so a step that allocates the same large activations again
+does not fault their pages in anew; under release, they go back to the OS at once.
 
+Every test that changes the real allocator or ``mallopt`` runs in a fresh interpreter; the
+tests in this process see a stand-in ``mallopt`` that records and changes nothing."""
+
+import json
 import subprocess
 import sys
 
@@ -9,6 +13,7 @@ import pytest
 import torch
 
 import comera_compile.compile as cc
+from comera_compile.compile import host_memory
 from comera_compile.compile.host_memory import (
     host_memory_mode,
     reusing_freed_host_memory,
@@ -17,16 +22,22 @@ from comera_compile.compile.host_memory import (
 from comera_compile.nn import TTLinear
 
 glibc_only = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not set_host_memory("release"),
+    not sys.platform.startswith("linux") or host_memory._mallopt() is None,
     reason="mallopt needs glibc",
 )
 
 
 @pytest.fixture(autouse=True)
-def _allocator_restored():
-    before = host_memory_mode()
-    yield
-    set_host_memory(before or "release")
+def _no_real_mallopt(monkeypatch):
+    """This process keeps glibc's own settings: a stand-in mallopt, the state put back."""
+    import comera_compile.compile.backend as backend
+
+    calls = []
+    monkeypatch.setattr(host_memory, "_mallopt", lambda: lambda *a: calls.append(a) or 1)
+    monkeypatch.setattr(host_memory, "_state", {"mode": None, "mallopt_calls": 0})
+    monkeypatch.setattr(backend, "_host_memory_request", {"mode": None})
+    monkeypatch.setattr(backend, "_host_memory_warned", set())
+    yield calls
     torch._dynamo.reset()
 
 
@@ -90,7 +101,8 @@ def test_release_free_heap_hands_back_what_reuse_keeps():
 
 
 def test_host_memory_option_is_checked_at_the_door():
-    assert cc.parse_options({}).host_memory is None
+    assert cc.parse_options({}).host_memory == "off"
+    assert cc.parse_options({"host_memory": None}).host_memory == "off"
     assert cc.parse_options({"host_memory": "release"}).host_memory == "release"
     with pytest.raises(ValueError, match="must be one of"):
         set_host_memory("keep")
@@ -124,30 +136,142 @@ def test_release_unmaps_freed_blocks_that_reuse_keeps(mode, low, high):
     assert low < resident < high  # 100 MiB live; reuse keeps the 100 MiB freed too
 
 
-@glibc_only
-@pytest.mark.parametrize(
-    "options, mode, cache_builds",
-    [({}, "cache", True), ({"memory": "low"}, "cache", True),
-     ({}, "reuse", False), ({"memory": "low"}, "release", False),
-     ({"host_memory": "release"}, "release", True),
-     ({"memory": "low", "host_memory": "reuse"}, "reuse", True)],
-)
-def test_cpu_graphs_take_the_block_cache_and_without_it_reuse_or_release(
-        options, mode, cache_builds, monkeypatch):
-    from comera_compile.compile import block_cache
+DEFAULTS = """
+import json, torch
+from torch import nn
+import comera_compile as cc
+from comera_compile.compile import block_cache, host_memory
 
-    if not cache_builds:  # a machine without a C++ compiler
-        monkeypatch.setattr(block_cache, "install", lambda *a, **k: False)
-    elif not block_cache.install():
-        pytest.skip("the block cache cannot be built here")
-    set_host_memory("reuse" if mode == "release" else "release")
+calls = []
+real = host_memory._mallopt
+host_memory._mallopt = lambda: (lambda *a: calls.append(a) or real()(*a))
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+torch.manual_seed(0)
+model = cc.optimize(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)), 0.5)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.randn(16, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+with open("/proc/self/maps") as f:
+    mapped = "block_cache" in f.read()
+# 64 MiB is above glibc's largest adaptive mmap threshold (32 MiB): under its own settings
+# the block is unmapped when freed; under reuse or the cache it would stay resident
+start = rss_mb()
+big = torch.ones(16 * 2**20)
+held = rss_mb() - start
+del big
+print(json.dumps({"mallopt": len(calls), "recorded": host_memory.mallopt_calls(),
+                  "mode": host_memory.host_memory_mode(), "cache_loaded": mapped,
+                  "cache_active": block_cache.active(),
+                  "built": block_cache._library.cache_info().currsize,
+                  "held": held, "after_free": rss_mb() - start}))
+"""
+
+
+@glibc_only
+def test_default_compile_leaves_the_allocator_and_malloc_settings_alone():
+    done = subprocess.run([sys.executable, "-c", DEFAULTS], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["mallopt"] == 0 and out["recorded"] == 0  # glibc's settings untouched
+    assert out["mode"] is None
+    assert not out["cache_loaded"] and not out["cache_active"] and out["built"] == 0
+    assert out["held"] > 60  # the 64 MiB block was touched
+    assert out["after_free"] < 16  # and handed back when freed: glibc's own behaviour
+
+
+OPT_IN = """
+import json, torch
+from comera_compile.compile import block_cache
+from comera_compile.compile.host_memory import (
+    host_memory_mode, reusing_freed_host_memory, restore_host_memory)
+from comera_compile.nn import TTLinear
+
+cases = json.loads(%r)
+real_install = block_cache.install
+out = []
+for options, builds in cases:
+    block_cache.install = real_install if builds else (lambda *a, **k: False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
     compiled = torch.compile(model, backend="comera", options={"inductor": False, **options})
     compiled(torch.randn(4, 64)).sum().backward()
-    assert host_memory_mode() == mode
-    assert reusing_freed_host_memory() is (mode != "release")
-    assert block_cache.active() is (mode == "cache")
+    out.append([host_memory_mode(), reusing_freed_host_memory(), block_cache.active()])
+    restore_host_memory()
+    torch._dynamo.reset()
+print(json.dumps(out))
+"""
+
+
+@glibc_only
+def test_cpu_graphs_take_the_host_memory_mode_asked_for_and_only_then():
+    from comera_compile.compile import block_cache
+
+    if block_cache._library() is None:
+        pytest.skip("the block cache cannot be built here")
+    cases = [  # options, whether the cache builds (no C++ compiler: False), mode expected
+        ({}, True, None), ({"host_memory": "off"}, True, None),
+        ({"host_memory": "cache"}, True, "cache"),
+        ({"memory": "low", "host_memory": "cache"}, True, "cache"),
+        ({"host_memory": "cache"}, False, "reuse"),
+        ({"memory": "low", "host_memory": "cache"}, False, "release"),
+        ({"host_memory": "release"}, True, "release"),
+        ({"memory": "low", "host_memory": "reuse"}, True, "reuse"),
+    ]
+    script = OPT_IN % json.dumps([[o, b] for o, b, _ in cases])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for (options, builds, mode), (got, reusing, active) in zip(
+            cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        assert got == mode, (options, builds)
+        assert reusing is (mode in ("cache", "reuse"))
+        assert active is (mode == "cache")
+
+
+def test_the_first_mode_asked_for_stays_and_another_model_asking_otherwise_is_warned(
+        _no_real_mallopt):
+    def compile_step(**options):
+        torch._dynamo.reset()
+        model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
+        compiled = torch.compile(model, backend="comera", options={"inductor": False, **options})
+        compiled(torch.randn(4, 64)).sum().backward()
+
+    compile_step()  # the default: nothing changes
+    assert host_memory_mode() is None and _no_real_mallopt == []
+    compile_step(host_memory="reuse")
+    assert host_memory_mode() == "reuse" and len(_no_real_mallopt) == 2
+    with pytest.warns(UserWarning, match="host_memory='reuse' is in effect"):
+        compile_step(host_memory="release")
+    assert host_memory_mode() == "reuse" and len(_no_real_mallopt) == 2  # left as it was
+    with pytest.warns(UserWarning, match="host_memory='off' is not applied"):
+        compile_step()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compile_step(host_memory="reuse")  # the same mode: nothing to say
+        compile_step()  # the same pair again: warned once already
+    assert host_memory.restore_host_memory() and host_memory_mode() is None
+    compile_step(host_memory="release")  # after restoring, a new mode can be set
+    assert host_memory_mode() == "release"
+
+
+def test_a_mode_set_for_the_process_on_purpose_is_kept_quietly_by_default_compiles(
+        _no_real_mallopt):
+    import warnings
+
+    assert set_host_memory("reuse")
+    model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = torch.compile(model, backend="comera", options={"inductor": False})
+        compiled(torch.randn(4, 64)).sum().backward()
+    assert host_memory_mode() == "reuse" and reusing_freed_host_memory()
 
 
 def test_each_inductor_compile_on_cpu_releases_the_free_heap(monkeypatch):
@@ -172,7 +296,6 @@ def test_low_memory_on_cpu_hints_huge_pages_once(monkeypatch, caplog):
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.setattr(backend, "_hinted_huge_pages", False)
-    set_host_memory("release")
     model = torch.nn.Sequential(TTLinear(64, 64, ranks=4), torch.nn.ReLU())
     with caplog.at_level(logging.INFO, logger="comera_compile"):
         for width in (4, 5):  # two graphs, one hint

@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "passes": 4,
     "training": 4,
     "compile": 4,
+    "config": 4,  # CompressionConfig / CompileOptions: read by compile, built by api
     "models": 4,  # example architectures built from nn layers
     "io": 5,  # save / load: layers and the optimize report
     "api": 6,

@@ -19,21 +19,21 @@ holds one recognisable node per tensorized layer. The backend
    inductor fuses it with the rest of the model and, on CUDA, runs it under CUDA Graph
    trees; a new region or a pruned rank is a new graph, hence a new recording.
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
-   costs more CPU time there (558 vs 446 ms per step of a 2-layer six-encoder at batch
-   8, one thread), and hashes dropout masks from element indices and two random keys per
-   call (``compile.dropout``): computed inside the kernel that applies them, on every
-   core, with no random buffer. The masks are alike in distribution, not identical to
-   eager's.
+   costs more CPU time there (``python benchmarks/kernels.py``, dropout section), and
+   hashes dropout masks from element indices and two random keys per call
+   (``compile.dropout``): computed inside the kernel that applies them, on every core,
+   with no random buffer. The masks are alike in distribution, not identical to eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
    (``compile.recompute``): a recomputed dropout would draw a new mask. On CPU, at every
    budget, it saves the keys of the hashed masks and marks the masks recomputed: backward
    rehashes each one in its own kernel and no mask is stored.
-5. on CPU, keeps freed large blocks by size for the next step's requests of that size
-   (``compile.host_memory``, the block cache): otherwise every step maps its large
-   activations anew and pays a page fault per 4 KiB page. Where the cache cannot be built,
-   it keeps freed memory in glibc's heap at the default memory budget and hands it back
-   at once below it. On CPU, each compiled forward and backward then hands the memory the
-   compiler freed back to the OS too.
+5. on CPU, with ``host_memory`` asked for (off by default: nothing process-wide changes
+   unless asked), keeps freed large blocks by size for the next step's requests of that
+   size (``"cache"``, ``compile.host_memory``): otherwise every step maps its large
+   activations anew and pays a page fault per 4 KiB page. The setting is process-wide:
+   the first compile that asks for one sets it, and a later one asking for another warns
+   and leaves it. On CPU, each compiled forward and backward then hands the memory the
+   compiler freed back to the OS (``malloc_trim``, a one-off call).
 6. on CPU, splits the backward's sums over many rows (bias and LayerNorm gradients)
    into sums over blocks of rows (``compile.reductions``): inductor's one-pass loop for
    them takes three times aten's time; and turns thin weight-gradient matmuls
@@ -138,15 +138,45 @@ def _log_start(nodes: list[fx.Node]) -> None:
         log.info("comera backend: compiling a plain graph (the first call takes a while)")
 
 
+_host_memory_request: dict[str, str | None] = {"mode": None}  # what a compile asked for
+_host_memory_warned: set[tuple[str, str]] = set()
+
+
 def _set_host_memory(opts: BackendOptions) -> None:
-    """The block cache unless another mode is asked for; without it, reuse freed blocks at
-    the default budget (speed) and hand them back below it (memory)."""
-    fallback = "reuse" if opts.memory >= 1 else "release"
-    for mode in (opts.host_memory,) if opts.host_memory else ("cache", fallback):
-        if mode == host_memory_mode() or set_host_memory(mode):
-            break
+    """Apply ``host_memory`` when asked for (``"off"``, the default, changes nothing). The
+    mode is process-wide: the first compile that asks for one sets it; a later compile
+    asking for another warns once and leaves it. ``"cache"`` falls back, where the block
+    cache cannot be built, to reuse at the default budget and release below it."""
+    asked = opts.host_memory or "off"
+    current = host_memory_mode()
+    if current is None:  # nothing set in this process (or restore_host_memory since)
+        _host_memory_request["mode"] = None
+        if asked != "off":
+            fallback = "reuse" if opts.memory >= 1 else "release"
+            for mode in (asked,) if asked != "cache" else ("cache", fallback):
+                if set_host_memory(mode):
+                    _host_memory_request["mode"] = asked
+                    break
+    else:
+        owner = _host_memory_request["mode"]
+        if (owner is not None or asked != "off") and asked != (owner or current):
+            _warn_host_memory(owner or current, asked)
     if opts.memory < 1 and host_memory_mode() == "release":
         _hint_huge_pages()
+
+
+def _warn_host_memory(in_effect: str, asked: str) -> None:
+    if (in_effect, asked) in _host_memory_warned:
+        return
+    _host_memory_warned.add((in_effect, asked))
+    warnings.warn(
+        f"comera backend: host memory is process-wide and host_memory={in_effect!r} is in "
+        f"effect for every model in this process; this model's host_memory={asked!r} is not "
+        "applied. Call comera_compile.compile.host_memory.set_host_memory(mode) or "
+        "restore_host_memory() to change it for the whole process",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _hint_huge_pages() -> None:

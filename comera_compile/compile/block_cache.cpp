@@ -2,6 +2,7 @@
 // that size (see block_cache.py for why). Smaller requests go to the allocator it replaces.
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -53,6 +54,7 @@ class BlockCache final : public c10::Allocator {
         it->second.pop_back();
         stats_.kept -= size;
         stats_.hits++;
+        sweep_if_due();  // sizes an earlier shape asked for age out while every request hits
         return hand_out(block);
       }
       stats_.misses++;
@@ -89,6 +91,7 @@ class BlockCache final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     max_kept_ = max_kept;
     max_idle_ = max_idle;
+    next_sweep_ = requests_ + std::max<size_t>(1, max_idle_ / 8);
   }
 
   Stats stats() {
@@ -97,6 +100,11 @@ class BlockCache final : public c10::Allocator {
   }
 
   c10::Allocator* small() const { return small_; }
+
+  // fork() while another thread holds the mutex would leave the child's copy locked for
+  // good: the forking thread takes it before the fork and both sides release it after.
+  void lock_for_fork() { mutex_.lock(); }
+  void unlock_after_fork() { mutex_.unlock(); }
 
   static BlockCache* instance;
 
@@ -132,13 +140,24 @@ class BlockCache final : public c10::Allocator {
     block->freed_at = requests_;
     free_[block->size].push_back(block);
     stats_.kept += block->size;
+    sweep_if_due();
     return true;
+  }
+
+  // On hits and frees, walk the kept blocks for idle ones once every max_idle_ / 8 large
+  // requests (a miss always walks them): the walk stays rare, and a block no request takes
+  // is unmapped within about 1.125 x max_idle_ requests even when no request misses.
+  void sweep_if_due() {  // with mutex_ held
+    if (requests_ >= next_sweep_) {
+      drop_idle();
+    }
   }
 
   // Unmap kept blocks that no request took in the last max_idle_ large requests. A size
   // left with no kept block is forgotten, so sizes that change every step do not pile up
   // entries for each later miss to walk.
   void drop_idle() {  // with mutex_ held
+    next_sweep_ = requests_ + std::max<size_t>(1, max_idle_ / 8);
     for (auto entry = free_.begin(); entry != free_.end();) {
       auto& blocks = entry->second;
       size_t kept = 0;
@@ -167,6 +186,7 @@ class BlockCache final : public c10::Allocator {
   size_t max_kept_;
   size_t max_idle_;
   size_t requests_ = 0;  // large requests so far
+  size_t next_sweep_ = 0;  // the request count at which a hit or free next walks for idle
   std::mutex mutex_;
   std::unordered_map<size_t, std::vector<Block*>> free_;
   std::unordered_map<void*, Block*> in_use_;
@@ -174,6 +194,14 @@ class BlockCache final : public c10::Allocator {
 };
 
 BlockCache* BlockCache::instance = nullptr;
+
+void before_fork() {
+  if (BlockCache::instance != nullptr) BlockCache::instance->lock_for_fork();
+}
+
+void after_fork() {
+  if (BlockCache::instance != nullptr) BlockCache::instance->unlock_after_fork();
+}
 
 }  // namespace
 
@@ -189,6 +217,7 @@ int comera_block_cache_install(size_t min_bytes, size_t max_kept, size_t max_idl
   }
   // never deleted: tensors it served may outlive any owner
   BlockCache::instance = new BlockCache(c10::GetCPUAllocator(), min_bytes, max_kept, max_idle);
+  pthread_atfork(&before_fork, &after_fork, &after_fork);
   c10::SetCPUAllocator(BlockCache::instance, /*priority=*/100);
   return 1;
 }

@@ -1,31 +1,39 @@
-"""Keep freed host memory for reuse, or hand it back to the OS at once.
+"""Opt-in, process-wide: keep freed host memory for reuse, or hand it back to the OS at once.
 
 glibc's ``malloc`` serves every block above a threshold (128 KiB, rising to at most
 32 MiB) with its own ``mmap`` and unmaps it on ``free``. A training step on CPU allocates
 and frees the same large activations every step (a 4096 x 3072 float tensor is 48 MiB),
-so each step maps them anew and pays a page fault per 4 KiB page on first touch. Three
-ways out, process-wide:
+so each step maps them anew and pays a page fault per 4 KiB page on first touch.
 
-- ``"cache"`` (the backend's default on CPU): blocks of 1 MiB or more are mapped one by
-  one and kept, when freed, for the next request of the same size
-  (``compile.block_cache``, a small C++ allocator built on first use); smaller blocks stay
-  in glibc's heap. No faults in steady state and no heap holes around large blocks.
-- ``"reuse"``: glibc's mmap and trim thresholds raised, so freed blocks stay in the heap
-  and the next step reuses them without faults; but the heap keeps its peak and the holes
-  that blocks of many sizes leave (on the six-encoder at batch 32 at activation budget
-  0.05, 1044.5 MB against 940.6 MB with the cache: README, "Compiled training").
+Nothing here runs unless asked for: the backend's default, ``host_memory="off"``, leaves
+torch's CPU allocator and glibc's ``malloc`` settings as they are. The other modes change
+the whole process, every model and tensor in it, not only the model compiled with them:
+
+- ``"cache"``: blocks of 1 MiB or more are mapped one by one and kept, when freed, for the
+  next request of the same size (``compile.block_cache``, a small C++ allocator built on
+  first use and installed with ``c10::SetCPUAllocator``); smaller blocks stay in glibc's
+  heap, whose thresholds are raised as under ``"reuse"``. No faults in steady state and no
+  heap holes around large blocks; the cost is resident memory up to 1.5x the peak in use
+  kept free for reuse, and a C++ compiler at first use.
+- ``"reuse"``: glibc's mmap and trim thresholds raised to 2 GiB (``mallopt``), so freed
+  blocks stay in the heap and the next step reuses them without faults; but the heap keeps
+  its peak and the holes that blocks of many sizes leave.
 - ``"release"``: glibc's initial thresholds (128 KiB) with its adaptive raising off, so
   every freed block of 128 KiB or more is unmapped at once: what is resident is what is
-  live, for a page fault per page touched anew (370k per step there).
+  live, for a page fault per page touched anew.
 
-glibc's own default sits between reuse and release. The backend takes ``"cache"`` and,
-where the cache cannot be built (no C++ compiler), ``"reuse"`` at the default activation
-budget and ``"release"`` below it.
+glibc's own default sits between reuse and release. Where the cache cannot be built (no C++
+compiler), asking for it takes ``"reuse"`` at the default activation budget and
+``"release"`` below it. The first mode set stays: a later compile asking for another one
+warns and leaves it (call :func:`set_host_memory` to change it on purpose, or
+:func:`restore_host_memory` to take the cache out and put glibc's initial thresholds back;
+glibc's adaptive raising of the mmap threshold cannot be switched on again once
+``mallopt`` has set it).
 
 Compiling a graph allocates and frees temporary memory of its own:
 :func:`release_free_heap` hands the free pages back once a graph is compiled, so what is
-kept is the step's blocks rather than the compiler's leftovers. (What the compiler keeps
-alive, its modules, guards and generated code, is held, not free, and stays.)
+kept is the step's blocks rather than the compiler's leftovers. (It is a one-off
+``malloc_trim``: no setting changes.)
 """
 
 from __future__ import annotations
@@ -46,9 +54,12 @@ GLIBC_DEFAULT_MMAP_THRESHOLD = 128 * 1024
 GLIBC_DEFAULT_TRIM_THRESHOLD = 128 * 1024
 KEEP_ALL = 2**31 - 1  # mallopt takes an int: blocks up to 2 GiB come from the heap
 
-HOST_MEMORY_MODES = ("cache", "reuse", "release")
+HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
+"""``"off"`` (the default) changes nothing; the others are process-wide (module docstring)."""
 
-_state: dict[str, str | None] = {"mode": None}  # None: glibc's own adaptive thresholds
+# mode: what set_host_memory set last (None: nothing was ever changed);
+# mallopt_calls: how many times this process called mallopt through this module
+_state: dict = {"mode": None, "mallopt_calls": 0}
 
 
 @functools.cache
@@ -76,15 +87,19 @@ def _mallopt():
 
 
 def set_host_memory(mode: str) -> bool:
-    """Process-wide: ``"cache"`` keeps freed blocks of 1 MiB or more by size for the next
-    request of that size (no page faults, no heap holes; smaller blocks as under reuse);
+    """Process-wide, for every model and tensor: ``"cache"`` keeps freed blocks of 1 MiB
+    or more by size for the next request of that size (no page faults, no heap holes;
+    smaller blocks as under reuse);
     ``"reuse"`` keeps freed blocks in glibc's heap (no page faults, more resident memory);
     ``"release"`` unmaps every freed block of 128 KiB or more at once (the least resident
-    memory, a page fault per page touched anew). Returns False where it cannot be set: the
+    memory, a page fault per page touched anew); ``"off"`` does nothing (see
+    :func:`restore_host_memory` to undo a mode). Returns False where it cannot be set: the
     C library is not glibc, or (``"cache"``) the block cache cannot be built."""
     if mode not in HOST_MEMORY_MODES:
         raise ValueError(f"host memory mode must be one of {list(HOST_MEMORY_MODES)}, "
                          f"got {mode!r}")
+    if mode == "off":
+        return True
     mallopt = _mallopt()
     if mallopt is None:
         return False
@@ -96,6 +111,7 @@ def set_host_memory(mode: str) -> bool:
     keep = mode in ("cache", "reuse")  # under the cache, glibc serves the small blocks
     mmap = KEEP_ALL if keep else GLIBC_DEFAULT_MMAP_THRESHOLD
     trim = KEEP_ALL if keep else GLIBC_DEFAULT_TRIM_THRESHOLD
+    _state["mallopt_calls"] += 2
     ok = bool(mallopt(M_MMAP_THRESHOLD, mmap)) and bool(mallopt(M_TRIM_THRESHOLD, trim))
     if ok and mode != _state["mode"]:
         what = {"cache": "is kept by size for reuse (block cache)",
@@ -107,8 +123,30 @@ def set_host_memory(mode: str) -> bool:
 
 
 def host_memory_mode() -> str | None:
-    """The mode :func:`set_host_memory` set last; None while glibc's defaults are in effect."""
+    """The mode :func:`set_host_memory` set last; None while nothing was changed (torch's
+    allocator and glibc's own adaptive thresholds, or after :func:`restore_host_memory`)."""
     return _state["mode"]
+
+
+def mallopt_calls() -> int:
+    """How many times this process called glibc's ``mallopt`` through this module."""
+    return _state["mallopt_calls"]
+
+
+def restore_host_memory() -> bool:
+    """Undo :func:`set_host_memory`: take the block cache out (torch's own CPU allocator
+    again) and put glibc's initial thresholds (128 KiB) back. glibc's adaptive raising of
+    the mmap threshold stays off once ``mallopt`` has set it. False where nothing was set."""
+    if _state["mode"] is None:
+        return False
+    block_cache.uninstall()
+    mallopt = _mallopt()
+    if mallopt is not None:
+        _state["mallopt_calls"] += 2
+        mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT_MMAP_THRESHOLD)
+        mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT_TRIM_THRESHOLD)
+    _state["mode"] = None
+    return True
 
 
 def reusing_freed_host_memory() -> bool:

@@ -3,13 +3,12 @@
 A TT layer's backward multiplies a thin activation's transpose by a wide gradient:
 ``dB = h.T @ dy`` with ``h`` of 4096 x 32 and ``dy`` of 4096 x 768. MKL's sgemm runs this
 shape (a few output rows, a long reduction) well below the transposed problem
-``(dy.T @ h).T``, which has the same multiply-adds: on a 2-core AMD EPYC, 32 x 4096 x 768
-takes 2.34 ms one way and 1.61 ms the other. Every thin side from 16 to 64 gains or
-breaks even up to a width of 2048; at 32 x 4096 x 3072 runs disagree (0.99x in one,
-1.18x in another), so wider products are left alone (``python benchmarks/kernels.py``,
-matmul section). The result is the same up to float rounding (another summation order
-inside the kernel). Float32 only: MKL's dgemm is the other way round (32 x 4096 x 768
-in float64: 4.70 ms as written, 7.12 ms turned; same benchmark, float64 row).
+``(dy.T @ h).T``, which has the same multiply-adds. Every thin side from 16 to 64 gains or
+breaks even up to a width of 2048; at a width of 3072 runs disagree, so wider products
+are left alone (``python benchmarks/kernels.py``, matmul section, measures each shape).
+The result is the same up to float rounding (another summation order inside the
+kernel). Float32 only: MKL's dgemm is the other way round (the same benchmark's float64
+row).
 
 :func:`orient_thin_matmuls` rewrites ``mm(a, b)`` into ``mm(b.T, a.T).T`` where ``a`` is a
 transposed view with at most ``MAX_ROWS`` rows, the reduction is at least ``MIN_DEPTH``

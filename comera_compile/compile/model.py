@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -9,25 +10,33 @@ from torch import nn
 
 from comera_compile.compile.measured import MeasuredCompile
 from comera_compile.compile.options import parse_options
+from comera_compile.config import CompileOptions
 
 RECOMPILE_LIMIT = 64
 
 
 def compile_model(
     model: nn.Module,
+    config: CompileOptions | None = None,
+    *,
     dynamic: bool | None = None,
-    in_place: bool = False,
+    inplace: bool = False,
+    in_place: bool | None = None,
     measure: bool = False,
     **options: Any,
 ) -> nn.Module:
     """``torch.compile(model, backend="comera", dynamic=dynamic, options=options)``.
+
+    The backend's options come as a :class:`~comera_compile.config.CompileOptions`
+    (``compile_model(model, CompileOptions(memory="low"))``) or as keywords
+    (``compile_model(model, memory="low")``), not both.
 
     ``dynamic=None`` (torch's automatic dynamic shapes): the first batch size compiles a
     static graph; when another one arrives, the batch dimension turns symbolic and the
     tensorized ops guard it to its plan region (the power-of-two buckets of the rows that
     one plan serves, ``planner.regions``), so there is one graph per region, not one per
     batch size. Options are checked here, before the first call, so a typo fails at once
-    rather than on the first forward. ``in_place=True`` compiles the model in place, as
+    rather than on the first forward. ``inplace=True`` compiles the model in place, as
     ``model.compile`` does (see :func:`_entry`), and returns ``model`` itself (its class
     is kept). ``measure=True`` (in place only) times the first training (and inference)
     steps compiled against eager and keeps the faster (``compile.measured``).
@@ -35,13 +44,32 @@ def compile_model(
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
     """
+    if isinstance(config, bool):  # the old second positional argument
+        warnings.warn("compile_model(model, dynamic) positionally is deprecated: pass "
+                      "dynamic= by name (the second argument is a CompileOptions)",
+                      DeprecationWarning, stacklevel=2)
+        config, dynamic = None, config
+    if in_place is not None:
+        warnings.warn("compile_model(in_place=) is renamed inplace=, as optimize(inplace=) "
+                      "and torch's own in-place flags spell it", DeprecationWarning,
+                      stacklevel=2)
+        inplace = in_place
+    if config is not None:
+        if options:
+            raise ValueError(f"compile_model takes a CompileOptions or keyword options, not "
+                             f"both (got {sorted(options)} beside it); set them on the "
+                             "CompileOptions")
+        if not isinstance(config, CompileOptions):
+            raise TypeError(f"compile_model's second argument is a CompileOptions, got "
+                            f"{type(config).__name__}")
+        options = config.to_backend_options()
     parse_options(options)
     # every prune and every new batch size is one more graph: leave room for a training run
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-    if measure and not in_place:
-        raise ValueError("measure=True acts on a model compiled in place: pass in_place=True")
-    if in_place:  # as nn.Module.compile: the model keeps its class, attributes and methods
+    if measure and not inplace:
+        raise ValueError("measure=True acts on a model compiled in place: pass inplace=True")
+    if inplace:  # as nn.Module.compile: the model keeps its class, attributes and methods
         compiled = torch.compile(
             _entry(model), backend="comera", dynamic=dynamic, options=options or None
         )

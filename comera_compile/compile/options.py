@@ -13,6 +13,14 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 
+from comera_compile.config import (
+    HOST_MEMORY_MODES,
+    MEMORY_BUDGETS,  # noqa: F401 - re-exported
+    CompileOptions,
+    _flag,
+    check_host_memory,
+    parse_memory,
+)
 from comera_compile.planner import parse_objective
 
 OWN_KEYS = (
@@ -20,14 +28,7 @@ OWN_KEYS = (
     "absorb_attention",
 )
 
-HOST_MEMORY = ("cache", "reuse", "release")
-
-MEMORY_BUDGETS = {"default": 1.0, "low": 0.999}
-"""``memory`` settings as AOT autograd activation budgets. Any budget below 1 recomputes
-the outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them
-alone (``compile.recompute``) and lets the min-cut recompute long fusible chains; "low" stops
-there (0.999 asks AOT autograd for nothing more). Lower budgets also recompute, by AOT
-autograd's flop-priced knapsack, layer norms, attention and the rest of each layer."""
+HOST_MEMORY = HOST_MEMORY_MODES
 
 
 @dataclass
@@ -36,15 +37,18 @@ class BackendOptions:
     ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels; for
     debugging a numerical difference). ``memory``: ``"default"``, ``"low"`` (recompute the wide
-    outputs of thin products in backward: about 3x less training memory than dense for
-    more step time) or a budget in ``(0, 1]``, AOT autograd's fraction of activations kept
-    (any budget below 1 recomputes thin products too). ``host_memory``: on CPU,
-    ``"cache"`` keeps freed blocks of 1 MiB or more by size for the next request of that
-    size, ``"reuse"`` keeps freed blocks in glibc's heap (both: each step's large
-    activations are not mapped and faulted in anew), ``"release"`` hands every freed block
-    of 128 KiB or more back to the OS at once (``compile.host_memory``; process-wide;
-    None: the cache, or where it cannot be built, reuse with the default memory budget
-    and release with a lower one).
+    outputs of thin products in backward: less training memory for more step time;
+    ``python benchmarks/step.py`` measures both) or a budget in ``(0, 1]``, AOT
+    autograd's fraction of activations kept (any budget below 1 recomputes thin products too).
+    ``host_memory``: ``"off"`` (the default; None means the same) leaves torch's CPU
+    allocator and glibc's ``malloc`` settings alone. The others change the whole process,
+    not only this model (``compile.host_memory``): ``"cache"`` keeps freed blocks of 1 MiB
+    or more by size for the next request of that size (a C++ allocator installed as
+    torch's CPU allocator), ``"reuse"`` keeps freed blocks in glibc's heap (both: each
+    step's large activations are not mapped and faulted in anew, for more resident
+    memory), ``"release"`` hands every freed block of 128 KiB or more back to the OS at
+    once (the least resident memory, a page fault per page touched). The first compile
+    that asks for a mode sets it; a later one asking for another warns and leaves it.
     ``absorb_attention``: compute attentions whose Q, K, V and O are TT layers through their
     rank bonds where that costs fewer flops (``compile.absorbed_attention``; default on).
     ``config``: inductor config patches."""
@@ -54,35 +58,17 @@ class BackendOptions:
     objective: str | None = None
     inductor: bool = True
     memory: float = 1.0
-    host_memory: str | None = None
+    host_memory: str = "off"
     absorb_attention: bool = True
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def _flag(name: str, value: Any, allow_none: bool = True) -> bool | None:
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, bool):
-        raise TypeError(f"comera option {name!r} must be a bool, got {value!r}")
-    return value
-
-
-def parse_memory(memory: str | float) -> float:
-    """The activation budget of a ``memory`` setting (a name or a fraction in ``(0, 1]``)."""
-    if isinstance(memory, str):
-        if memory not in MEMORY_BUDGETS:
-            raise ValueError(
-                f"comera option 'memory' must be one of {list(MEMORY_BUDGETS)} or a fraction "
-                f"in (0, 1], got {memory!r}"
-            )
-        return MEMORY_BUDGETS[memory]
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1:
-        raise ValueError(f"comera option 'memory' as a number must lie in (0, 1], got {memory!r}")
-    return float(memory)
-
-
-def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> BackendOptions:
-    """Validate ``options`` (and torch.compile's ``mode``) into :class:`BackendOptions`."""
+def parse_options(options: dict[str, Any] | CompileOptions | None,
+                  mode: str | None = None) -> BackendOptions:
+    """Validate ``options`` (a dict or :class:`~comera_compile.config.CompileOptions`, and
+    torch.compile's ``mode``) into :class:`BackendOptions`."""
+    if isinstance(options, CompileOptions):
+        options = options.to_backend_options()
     options = dict(options or {})
     out = BackendOptions(
         cudagraphs=_flag("cudagraphs", options.pop("cudagraphs", None)),
@@ -92,13 +78,7 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Ba
             "absorb_attention", options.pop("absorb_attention", True), allow_none=False)),
     )
     out.memory = parse_memory(options.pop("memory", "default"))
-    host_memory = options.pop("host_memory", None)
-    if host_memory is not None and host_memory not in HOST_MEMORY:
-        raise ValueError(
-            f"comera option 'host_memory' must be one of {list(HOST_MEMORY)} or None, "
-            f"got {host_memory!r}"
-        )
-    out.host_memory = host_memory
+    out.host_memory = check_host_memory(options.pop("host_memory", None))
     objective = options.pop("objective", None)
     if objective is not None:
         if not isinstance(objective, str):

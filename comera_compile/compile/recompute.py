@@ -7,14 +7,13 @@ its output is as large as a dense layer's, but remaking it from the small ``t`` 
 outputs of matmuls that contract at most :data:`THIN` indices, and the pointwise ops
 computed from them alone (bias, GELU, a dropout with its saved mask), are marked
 ``MUST_RECOMPUTE``; the min-cut then keeps the small ``t`` instead. Only outputs of at
-least :data:`WIDE` bytes: a smaller one saves little and still costs its kernels (at batch
-1 x 128 the six-encoder's low-memory step ran 53% slower than the default one with every
-thin product remade, 30% with those below 4 MiB kept, for the same 5-8 MB; step.py).
+least :data:`WIDE` bytes: a smaller one saves little and still costs its kernels (``python
+benchmarks/step.py --batches 1`` measures the low-memory step against the default one).
 AOT autograd's own budget knapsack prices ops by flops and treats every fusible op as
 free to recompute, so at low budgets it recomputes whole layers (attention and layer
-norms included): on the six-encoder at batch 32, budget 0.05 keeps 39 MB for backward
-and costs about a quarter more step time on a CPU. This marking keeps the cheap part of
-that (README, "Compiled training", has the measured pair).
+norms included): less memory kept for backward, for markedly more step time on a CPU
+(``python benchmarks/saved.py`` prints what each budget keeps, ``benchmarks/step.py``
+the step time). This marking keeps the cheap part of that.
 
 **Random values are kept.**
 

@@ -16,8 +16,8 @@ from .ranks import internal_ranks
 
 _SVD_UNSUPPORTED = (torch.float16, torch.bfloat16)
 # A bond whose rank cap is at most this share of the unfolding's short side gets a randomized
-# SVD: a few passes over the matrix instead of the full decomposition (a 30522 x 384 table at
-# rank ~800: ~5x faster).
+# SVD: a few passes over the matrix instead of the full decomposition (``python
+# benchmarks/pretrained.py`` times the dense init of a pretrained model's tables).
 _RANDOMIZED_SHARE = 0.4
 _RANDOMIZED_MIN_SIDE = 512
 _OVERSAMPLE = 16

@@ -2,7 +2,13 @@
 
 ``optimize`` accepts the short forms too; ``parse_budget`` turns each into a ``Budget``:
 ``0.05`` (keep 5% of the parameters), ``1_500_000`` (parameters), ``"20MB"`` / ``"512KiB"``
-(bytes of parameters, dtype-aware), ``"5%"``, ``"40x"`` (compression ratio).
+(bytes of parameters, dtype-aware), ``"5%"``, ``"40x"`` (compression ratio: 40 times
+smaller, the same as keeping 0.025).
+
+A float is a share to keep and an int a count: ``1.0`` keeps everything while ``1`` would
+be one parameter. A bare int of at most ``SMALLEST_INT_BUDGET`` reads like a share or a
+ratio written as an int, so it is refused with the spellings meant; ``Budget(params=N)``
+states a count that small on purpose.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ ACCEPTED = (
     "keep), an int (parameter count), a string of bytes ('20MB', '512KiB', '1.5GB'), a "
     "percentage ('5%'), a ratio ('40x'), or Budget(params=, bytes=, flops=, ratio=, fraction=)"
 )
+
+SMALLEST_INT_BUDGET = 100
+"""Bare int budgets up to this are refused (``Budget(params=N)`` states a count)."""
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -30,8 +39,10 @@ class Budget:
     params: total parameter count. bytes: total parameter bytes (int, or "20MB").
     flops: forward multiply-adds at the example input shape (needs example_inputs); a float
     in (0, 1] is a share of the dense model's (0.5 -> half the multiply-adds).
-    ratio: original parameters / new parameters must be at least this (40 -> 40x smaller).
-    fraction: new parameters / original parameters at most this (0.05 -> 5%).
+    ratio: a compression ratio, original parameters / new parameters at least this
+    (40 -> 40x smaller, the same as fraction=0.025). Not a share to keep.
+    fraction: the share of parameters to keep, new / original at most this (0.05 -> 5%);
+    the rank-adaptive trainer's ``target_ratio`` is such a share too.
     """
 
     params: int | None = None
@@ -93,6 +104,14 @@ def parse_budget(budget: object) -> Budget | None:
     if isinstance(budget, bool):
         raise ValueError(f"cannot read budget {budget!r}; accepted forms: {ACCEPTED}")
     if isinstance(budget, int):
+        if 0 < budget <= SMALLEST_INT_BUDGET:
+            raise ValueError(
+                f"budget={budget} is an int, read as a parameter count ({budget} "
+                f"parameter{'s' * (budget != 1)} for the whole model). For a share to keep "
+                f"pass a float (budget={budget / 100!r} or '{budget}%'; budget=1.0 keeps "
+                f"everything); for {budget} times smaller pass '{budget}x' or "
+                f"Budget(ratio={budget}); for a count this small, Budget(params={budget})"
+            )
         return Budget(params=budget)
     if isinstance(budget, float):
         if not 0 < budget <= 1:

@@ -35,6 +35,7 @@ class OptimizeReport:
     originals: dict[str, dict[str, Any]] = field(default_factory=dict)  # per swapped layer
     skipped: dict[str, str] = field(default_factory=dict)
     returned: str = ""  # which form optimize returned, and why
+    config: dict[str, Any] | None = None  # the CompressionConfig, as its to_dict wrote it
 
 
 def attach_report(model: nn.Module, report: OptimizeReport) -> None:

@@ -80,13 +80,24 @@ def clear_memory_cache() -> None:
     _unwritable.clear()
 
 
-def cache_dir() -> Path | None:
-    """The disk cache directory, or None when ``COMERA_CACHE_DIR=off``."""
+def cache_root() -> Path | None:
+    """The directory every disk cache of the package lives under: ``$COMERA_CACHE_DIR``
+    (``off``, ``none`` or ``0``: None, no disk cache at all) or
+    ``$XDG_CACHE_HOME/comera_compile`` (``~/.cache/comera_compile``)."""
     env = os.environ.get("COMERA_CACHE_DIR")
     if env:
         return None if env.strip().lower() in ("off", "none", "0") else Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "comera_compile" / "plans"
+    return Path(base) / "comera_compile"
+
+
+def cache_dir() -> Path | None:
+    """The plan cache directory, or None when ``COMERA_CACHE_DIR=off``: the directory
+    ``COMERA_CACHE_DIR`` names, else ``plans`` under :func:`cache_root`."""
+    root = cache_root()
+    if root is None or os.environ.get("COMERA_CACHE_DIR"):
+        return root
+    return root / "plans"
 
 
 def bucket_network(network: Network) -> Network:

@@ -1,7 +1,8 @@
 """Our exact dynamic program over operand subsets, keeping the k best trees per subset.
 
-cotengra's OptimalOptimizer is exact and fast (about 1-3 ms for a 3+3 TT linear), so it is
-the default search. This DP exists for what cotengra cannot do: the gradient-aware cost
+cotengra's OptimalOptimizer is exact and fast on TT networks (``python
+benchmarks/planner.py`` times planning), so it is the default search. This DP exists for
+what cotengra cannot do: the gradient-aware cost
 (``training=True``, a step's cost depends on its operand sizes) and the top-k distinct
 trees that autotuning times. It considers every binary tree, outer products included
 (3^n / 2 splits), so it is only used for small networks (``MAX_DP_OPERANDS``).
