@@ -16,6 +16,7 @@ from comera_compile.training import (
     RankAdaptiveTrainer,
     param_groups,
     rank_penalty,
+    size_weight,
     soft_size,
 )
 from comera_compile.training.pruning import channel_scores, choose_removals
@@ -173,7 +174,11 @@ def test_without_run_length_the_late_stage_is_the_switch_rule_alone():
     train_steps(model, opt, trainer, x, y, 20)
     assert trainer.schedule is None and trainer.budget() == trainer.size_target
     assert trainer.size() == trainer.size_start  # 15 slow steps: nothing is forced off
-    assert set(trainer.history.column("lam")[5:]) <= {0.0, 1.0}
+    late = trainer.history.records[4:]  # the late stage starts at step 5
+    assert [r["stage"] for r in late] == [LATE] * 16 and trainer.history[3]["lam"] is None
+    for r in late:  # each step's lam is the switch rule on that step's loss and size
+        want = size_weight(r["task_loss"], trainer.task_loss_target, r["params"], r["budget"])
+        assert r["lam"] == want
 
 
 def test_late_stage_terms_with_lam_tensor_match_the_paper_mix():
@@ -230,7 +235,8 @@ def test_held_out_mlp_reaches_its_target_in_800_steps():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     assert accuracy > 0.92  # dense reaches about 0.95 on this split
     losses = trainer.history.column("task_loss")
-    assert sum(losses[-10:]) / 10 < 2 * trainer.task_loss_target + 0.02  # the loss held
+    # the loss held: at or under where the late stage found it (0.042 then, 0.006 at the end)
+    assert sum(losses[-10:]) / 10 < trainer.task_loss_target
 
 
 # ----- composes with captured steps --------------------------------------------------------
@@ -284,3 +290,37 @@ def test_one_host_transfer_per_step_and_none_in_loss(monkeypatch):
         reads.clear()
         trainer.step()
         assert reads == ["tolist"]
+
+
+# ----- non-finite losses -------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_is_skipped_by_the_switch_rule_and_noted(bad):
+    """One bad batch must not pin lam (NaN left it at 0, inf at 1) for the rest of the run."""
+    x, y = data()
+    runs = {}
+    for poison in (False, True):
+        model = small_model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        trainer = RankAdaptiveTrainer(model, opt, early_steps=3, prune_every=None)
+        for step in range(12):
+            task = F.cross_entropy(model(x), y)
+            if poison and step == 6:
+                task = task * bad
+            loss = trainer.loss(task)
+            opt.zero_grad()
+            loss.backward()
+            if torch.isfinite(loss):  # an overflowed step updates nothing, as GradScaler does
+                opt.step()
+            trainer.step()
+        runs[poison] = trainer
+    clean, poisoned = runs[False], runs[True]
+    assert poisoned.history.column("skipped") == [False] * 6 + [True] + [False] * 5
+    assert clean.history.column("skipped") == [False] * 12
+    assert poisoned.plateau.ema == pytest.approx(clean.plateau.ema, rel=0.05)
+    assert poisoned.plateau.count == 11 and clean.plateau.count == 12
+    lams = poisoned.history.column("lam")
+    assert lams[6] == lams[5]  # the bad step keeps the previous choice
+    for r in poisoned.history.records[7:]:  # later steps follow the rule again
+        want = size_weight(r["task_loss"], poisoned.task_loss_target, r["params"], r["budget"])
+        assert r["lam"] == want
+    assert set(lams[7:]) == {1.0}  # the loss is at its target: size is what lags

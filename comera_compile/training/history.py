@@ -1,7 +1,8 @@
 """Per-step record of rank-adaptive training: losses, stage, ranks, size, compression.
 
 One row per ``trainer.step()``. Ranks are kept per layer as the effective rank list, so a
-plot or a CSV can show which bonds shrank and when.
+plot or a CSV can show which bonds shrank and when. ``skipped`` marks a step whose task
+loss was not finite: the schedule's statistics (loss EMA, switch rule) left it out.
 """
 
 from __future__ import annotations

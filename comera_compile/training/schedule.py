@@ -72,7 +72,12 @@ class Plateau:
         self.count = 0
 
     def update(self, value: float) -> bool:
-        """Fold in one loss value; return True when the loss has plateaued."""
+        """Fold in one loss value; return True when the loss has plateaued.
+
+        A non-finite value (an overflowed AMP step, a bad batch) is skipped, as GradScaler
+        skips its step: one NaN would poison the EMA, and every later target, for good."""
+        if not math.isfinite(value):
+            return False
         self.count += 1
         if self.ema is None:
             self.ema = value

@@ -46,6 +46,7 @@ step. ``lam`` and the size scale are tensors set from the previous step's values
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -427,8 +428,8 @@ class RankAdaptiveTrainer:
 
     def _switch(self, task_loss: float | None, size: int) -> float:
         """The paper's switch rule, against the current budget."""
-        if task_loss is None:
-            return self.lam
+        if task_loss is None or not math.isfinite(task_loss):
+            return self.lam  # a non-finite loss says nothing about the gap: keep the choice
         return size_weight(task_loss, self.task_loss_target, size, self.budget(self.steps + 1))
 
     def _record(
@@ -450,6 +451,7 @@ class RankAdaptiveTrainer:
             params=model_size(unwrap(self.model), ranks=ranks) if self.in_bytes else size,
             compression=dense / cores if cores else 1.0,
             pruned=sum(r.total_removed for r in self.last_pruned.values()),
+            skipped=task_loss is not None and not math.isfinite(task_loss),
             ranks=ranks,
         )
 
