@@ -185,6 +185,96 @@ def test_pruning_mid_training_matches_masked_training():
     assert pruned[0].effective_ranks() == masked[0].effective_ranks()
 
 
+class FlatMomentum(torch.optim.Optimizer):
+    """A user's optimizer whose state is not shaped like its parameter."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros(p.numel(), dtype=p.dtype)
+                state["buf"].mul_(0.9).add_(p.grad.flatten())
+                p.add_(state["buf"].view_as(p), alpha=-group["lr"])
+
+
+ELEMENTWISE = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-4, momentum=0.5, centered=True),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+def test_pruning_slices_the_state_of_every_elementwise_optimizer(name):
+    """Pruned training equals masked training: the state was cut exactly."""
+    x, y = data()
+    pruned = small_model()
+    masked = copy.deepcopy(pruned)
+    opt_p, opt_m = ELEMENTWISE[name](pruned.parameters()), ELEMENTWISE[name](masked.parameters())
+    for _ in range(3):
+        _train_step(pruned, opt_p, x, y)
+        _train_step(masked, opt_m, x, y)
+    _kill_channels(pruned)
+    _kill_channels(masked)
+    prune_model(pruned, opt_p)
+    for p in pruned.parameters():
+        for value in opt_p.state[p].values():
+            if torch.is_tensor(value) and value.dim():
+                assert value.shape == p.shape
+    for _ in range(3):
+        assert _train_step(pruned, opt_p, x, y) == pytest.approx(
+            _train_step(masked, opt_m, x, y), rel=1e-10
+        )
+
+
+def test_pruning_slices_adafactor_factored_state():
+    x, y = data()
+    model = small_model()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        _train_step(model, opt, x, y)
+    _kill_channels(model)
+    core = model[0].cores[1]  # (4, 4, 4): loses channel 1 on the left, 0 and 2 on the right
+    before = {k: v.clone() for k, v in opt.state[core].items()}
+    assert before["row_var"].shape == (4, 4, 1) and before["col_var"].shape == (4, 1, 4)
+    prune_model(model, opt)
+    assert core.shape == (3, 4, 2)
+    state = opt.state[core]
+    assert state["row_var"].shape == (3, 4, 1) and state["col_var"].shape == (3, 1, 2)
+    torch.testing.assert_close(state["row_var"], before["row_var"][[0, 2, 3]])
+    torch.testing.assert_close(state["col_var"], before["col_var"][[0, 2, 3]][..., [1, 3]])
+    assert state["step"] == before["step"] == 3
+    losses = [_train_step(model, opt, x, y) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_pruning_resets_state_it_cannot_slice_with_a_warning():
+    x, y = data()
+    model = small_model()
+    opt = FlatMomentum(model.parameters())
+    for _ in range(3):
+        _train_step(model, opt, x, y)
+    _kill_channels(model)
+    core = model[0].cores[1]
+    untouched = model[2].cores[0]  # bond 1 of layer 2 keeps all its channels
+    kept = opt.state[untouched]["buf"].clone()
+    with pytest.warns(UserWarning, match=r"FlatMomentum state 'buf' \[64\].*was reset"):
+        prune_model(model, opt)
+    assert core not in opt.state and untouched in opt.state
+    torch.testing.assert_close(opt.state[untouched]["buf"], kept)
+    _train_step(model, opt, x, y)  # starts the reset state afresh
+    assert opt.state[core]["buf"].shape == (core.numel(),) == (24,)
+
+
 # ----- the trainer -------------------------------------------------------------------------
 def _trainer_step(model, optimizer, trainer, x, y):
     loss = trainer.loss(F.cross_entropy(model(x), y))

@@ -1,16 +1,22 @@
 """Drop dead rank channels during training, optimizer state included.
 
 ``prune_ranks`` shrinks each core and gate in place (same Parameter objects, smaller
-``.data``). The optimizer keeps per-parameter state (AdamW's ``exp_avg``, ``exp_avg_sq``,
-``max_exp_avg_sq``) in the old shape, so we slice it exactly as the parameters were
-sliced. Training then goes on as if the channels had never existed, and every later step
-is cheaper. Scalar state such as ``step`` is left alone.
+``.data``). The optimizer keeps per-parameter state in the old shape, so we slice it as the
+parameters were sliced: any state tensor laid out along the parameter's dimensions, each of
+its sizes the parameter's or 1, is cut along the pruned dimension where it spans it. That
+covers elementwise state (AdamW's moments, SGD's momentum, Adagrad's sums) and factored
+state that broadcasts (Adafactor's row and column variances). Training then goes on as if
+the channels had never existed, and every later step is cheaper. Scalar state such as
+``step`` is left alone. State of any other shape cannot be cut: that parameter's state is
+dropped, with a warning, and the optimizer starts it afresh as at its first step.
 
 Under ``torch.compile`` a prune changes parameter shapes, so the model recompiles once per
 prune that removed something; nothing else changes shapes between prunes.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -19,21 +25,54 @@ from comera_compile.nn import PruneResult, tensorized_layers
 from comera_compile.training.bank import GateBank
 
 
+def _follows(shape: torch.Size, param_shape: list[int]) -> bool:
+    """A state tensor laid out like the parameter: same dimensions, each size the
+    parameter's or 1 (broadcast, as Adafactor's factored row and column variances)."""
+    return len(shape) == len(param_shape) and all(
+        s == p or s == 1 for s, p in zip(shape, param_shape)
+    )
+
+
 def slice_optimizer_state(
     optimizer: torch.optim.Optimizer,
     result: PruneResult,
     shapes_before: dict[int, torch.Size],
 ) -> None:
     """Replay ``result.slices`` on the optimizer state: at each slice, every state tensor
-    whose shape matches the parameter's shape just before that slice is cut the same way."""
+    laid out like the parameter (shape just before that slice) and spanning the pruned
+    dimension is cut the same way; scalars and tensors broadcast along it are kept. A
+    parameter with any other state tensor has its state reset, with a warning."""
     shapes = {key: list(shape) for key, shape in shapes_before.items()}
     for param, dim, index in result.slices:
         old = shapes[id(param)]
         state = optimizer.state.get(param, {})
+        odd = [
+            name
+            for name, value in state.items()
+            if torch.is_tensor(value) and value.numel() > 1 and not _follows(value.shape, old)
+        ]
+        if odd:
+            _reset_state(optimizer, param, odd, old)
+            state = {}
         for name, value in state.items():
-            if torch.is_tensor(value) and list(value.shape) == old:
+            if torch.is_tensor(value) and value.numel() > 1 and value.shape[dim] == old[dim]:
                 state[name] = value.index_select(dim, index.to(value.device))
         old[dim] = index.numel()
+
+
+def _reset_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, names: list[str], shape: list[int]
+) -> None:
+    shapes = ", ".join(f"'{n}' {list(optimizer.state[param][n].shape)}" for n in names)
+    warnings.warn(
+        f"{type(optimizer).__name__} state {shapes} of a parameter of shape {shape} is not "
+        "laid out along the parameter's dimensions, so it cannot be cut with the pruned "
+        "channels; that parameter's optimizer state was reset (started afresh at the next "
+        "step). Give such state the parameter's shape (or size 1 where it is shared) to "
+        "keep it across prunes",
+        stacklevel=4,
+    )
+    del optimizer.state[param]
 
 
 @torch.no_grad()
