@@ -101,14 +101,46 @@ class Pairs(Dataset):
 class Classifier(nn.Module):
     """A model the way ``transformers.Trainer`` expects one: keyword inputs, a loss out."""
 
-    def __init__(self):
+    def __init__(self, seed=0):
         super().__init__()
-        self.net = small_model()
+        self.net = small_tt_model(seed)
 
     def forward(self, features, labels=None):
         logits = self.net(features)
         loss = None if labels is None else F.cross_entropy(logits, labels)
         return {"loss": loss, "logits": logits}
+
+
+class ItemNormalizedClassifier(Classifier):
+    """A model that takes the Trainer's loss kwargs and normalizes over the whole accumulated
+    batch itself (as causal LMs do): the Trainer then does not divide its loss."""
+
+    def forward(self, features, labels=None, num_items_in_batch=None, **kwargs):
+        logits = self.net(features)
+        if labels is None:
+            return {"loss": None, "logits": logits}
+        loss = F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch
+        return {"loss": loss, "logits": logits}
+
+
+def hf_args(out, steps=STEPS, batch=32, accumulation=1, **kwargs):
+    from transformers import TrainingArguments
+
+    options = {
+        "max_steps": steps,
+        "per_device_train_batch_size": batch,
+        "gradient_accumulation_steps": accumulation,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+        **kwargs,
+    }
+    return TrainingArguments(output_dir=str(out), **options)
 
 
 def test_hugging_face_trainer_adds_rank_terms_and_shrinks_ranks(tmp_path):
@@ -147,3 +179,72 @@ def test_hugging_face_trainer_adds_rank_terms_and_shrinks_ranks(tmp_path):
         batch = {k: v.unsqueeze(0) for k, v in Pairs()[0].items()}
         plain = model(**batch)["loss"]
         assert trainer.compute_loss(model, batch) == plain
+
+
+def gates_of(model):
+    return torch.cat([g.detach() for layer in (model.net[0], model.net[2]) for g in layer.gates])
+
+
+@pytest.mark.parametrize("model_class", [Classifier, ItemNormalizedClassifier])
+def test_rank_terms_weigh_the_same_for_any_gradient_accumulation(tmp_path, model_class):
+    """1 x 32 and 4 x 8 see the same 32 examples per step: the same gates, step for step."""
+    pytest.importorskip("accelerate")
+    from comera_compile.integrations.huggingface import RankAdaptiveHFTrainer
+
+    runs = {}
+    for batch, accumulation in ((32, 1), (8, 4)):
+        model = model_class()
+        trainer = RankAdaptiveHFTrainer(
+            model=model,
+            args=hf_args(tmp_path / str(batch), steps=12, batch=batch, accumulation=accumulation),
+            train_dataset=Pairs(),
+            rank_adaptation={"early_steps": 6, "prune_every": 3, "target_ratio": 0.5},
+        )
+        trainer.train()
+        runs[accumulation] = (model, trainer.rank_trainer.history)
+    (whole, whole_history), (split, split_history) = runs[1], runs[4]
+    torch.testing.assert_close(gates_of(split), gates_of(whole), rtol=1e-9, atol=1e-12)
+    assert split.net[0].ranks == whole.net[0].ranks != [1, 4, 4, 4, 1]
+    for column in ("task_loss", "rank_loss", "params"):
+        assert split_history.column(column) == pytest.approx(whole_history.column(column))
+    x, y = data()
+    first = F.cross_entropy(Classifier().net(x), y).item()  # the whole step's loss, recorded
+    assert split_history[0]["task_loss"] == pytest.approx(first, rel=1e-12)
+
+
+def test_hugging_face_resume_equals_the_uninterrupted_run(tmp_path):
+    """Checkpoints every 15 of 30 steps, accumulation 2; resuming at 15 on a fresh model
+    (full ranks, other weights) ends where the uninterrupted run does."""
+    pytest.importorskip("accelerate")
+    from comera_compile.integrations.huggingface import RankAdaptiveHFTrainer
+
+    def run(out, seed, resume=None):
+        model = Classifier(seed)
+        trainer = RankAdaptiveHFTrainer(
+            model=model,
+            args=hf_args(
+                out, batch=16, accumulation=2, save_strategy="steps", save_steps=15
+            ),
+            train_dataset=Pairs(),
+            rank_adaptation=OPTIONS,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer.rank_trainer
+
+    whole, whole_trainer = run(tmp_path / "whole", seed=0)
+    at_15 = whole_trainer.history[14]
+    assert at_15["stage"] == LATE and at_15["ranks"]["net.0"] != [1, 4, 4, 4, 1]  # pruned by then
+    checkpoint = str(tmp_path / "whole" / "checkpoint-15")
+    resumed, resumed_trainer = run(tmp_path / "resumed", seed=7, resume=checkpoint)
+
+    assert resumed_trainer.steps == STEPS and resumed_trainer.stage == LATE
+    assert resumed.net[0].ranks == whole.net[0].ranks and resumed.net[2].ranks == whole.net[2].ranks
+    size = sum(p.numel() for p in whole.parameters())
+    assert sum(p.numel() for p in resumed.parameters()) == size < 0.7 * 243
+    got, want = resumed_trainer.history, whole_trainer.history
+    assert len(got) == len(want) == STEPS
+    for column in ("stage", "params", "ranks", "budget"):
+        assert got.column(column) == want.column(column), column
+    assert got.column("task_loss") == pytest.approx(want.column("task_loss"), rel=1e-9)
+    for (name, a), b in zip(resumed.state_dict().items(), whole.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)

@@ -217,10 +217,13 @@ class RankAdaptiveTrainer:
             extra = extra + self.l2_weight * self.bank.core_l2()
         return weight, extra
 
-    def observe(self, task_loss: Tensor) -> None:
-        """Tell ``step`` this step's task loss when ``loss`` was not the one adding the terms
-        (a framework callback adds them as gradients instead)."""
+    def observe(self, task_loss: Tensor, rank_loss: Tensor | None = None) -> None:
+        """Tell ``step`` this step's task loss (and rank terms) when ``loss`` was not the one
+        adding the terms: a framework callback adds them as gradients instead, or adds them
+        over several micro-batches of one step."""
         self._pending = {"task_loss": task_loss.detach()}
+        if rank_loss is not None:
+            self._pending["rank_loss"] = rank_loss.detach()
 
     def step(self) -> None:
         """Bookkeeping after ``optimizer.step()``: freeze dead channels, prune, maybe switch
