@@ -86,6 +86,53 @@ def test_lightning_callback_shrinks_ranks_and_matches_the_plain_loop():
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=name)
 
 
+@pytest.mark.slow
+def test_lightning_resume_equals_the_uninterrupted_run(tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from comera_compile.integrations.lightning import RankAdaptation
+
+    class Module(lightning.LightningModule):
+        def __init__(self, seed):
+            super().__init__()
+            self.net = small_tt_model(seed)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return adamw(self.net)
+
+    def run(seed, ckpt_path=None):
+        module, callback = Module(seed), RankAdaptation(**OPTIONS)
+        saves = ModelCheckpoint(
+            dirpath=tmp_path / str(seed), every_n_train_steps=15, save_top_k=-1,
+            filename="{step}",
+        )
+        trainer = lightning.Trainer(
+            max_steps=STEPS, accelerator="cpu", logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[callback, saves],
+        )
+        x, y = data()
+        loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return module.net, callback.rank_trainer
+
+    whole, whole_trainer = run(0)
+    assert whole_trainer.history[14]["ranks"]["net.0"] != [1, 4, 4, 4, 1]  # pruned by then
+    resumed, resumed_trainer = run(7, ckpt_path=tmp_path / "0" / "step=15.ckpt")
+    assert resumed_trainer.steps == STEPS and resumed[0].ranks == whole[0].ranks
+    assert sum(p.numel() for p in resumed.parameters()) == sum(
+        p.numel() for p in whole.parameters()
+    )
+    got, want = resumed_trainer.history, whole_trainer.history
+    for column in ("stage", "params", "ranks", "budget"):
+        assert got.column(column) == want.column(column), column
+    assert got.column("task_loss") == pytest.approx(want.column("task_loss"), rel=1e-9)
+
+
 # ----- Hugging Face ------------------------------------------------------------------------
 class Pairs(Dataset):
     def __init__(self):

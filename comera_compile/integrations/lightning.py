@@ -9,6 +9,10 @@ rank terms, which is exactly the gradient of ``w * task_loss + extra``. After th
 does the ``RankAdaptiveTrainer`` bookkeeping with the step's loss. The run's length is
 ``trainer.estimated_stepping_batches``, so the size target is reached by the end.
 
+Resume: the rank trainer's state (stage, schedule, loss statistics, history) is the
+callback's ``state_dict``, which Lightning keeps in its checkpoints; ``fit(ckpt_path=...)``
+restores it, and the layers take the checkpoint's pruned ranks as the weights load.
+
 Single device (or ``PrunableDDP`` in your own loop): Lightning's DDP strategy keeps its
 own reducer, which a prune would break; there use ``prune_every=None``.
 """
@@ -16,6 +20,7 @@ own reducer, which a prune would break; there use ``prune_every=None``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -34,6 +39,17 @@ class RankAdaptation(Callback):
         self.options = rank_adaptation
         self.rank_trainer: RankAdaptiveTrainer | None = None
         self._stepped_at = -1
+        self._restored: dict[str, Any] | None = None  # from a checkpoint, until training starts
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rank trainer's state, for Lightning's checkpoints."""
+        if self.rank_trainer is None:
+            return {}
+        return {"rank_state": self.rank_trainer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning restores callbacks before training starts: keep it until then."""
+        self._restored = state_dict.get("rank_state")
 
     def on_train_start(self, trainer, pl_module) -> None:
         if len(trainer.optimizers) != 1:
@@ -46,6 +62,15 @@ class RankAdaptation(Callback):
             options.setdefault("total_steps", int(total))
         self.rank_trainer = RankAdaptiveTrainer(pl_module, trainer.optimizers[0], **options)
         self._stepped_at = trainer.global_step
+        if self._restored is not None:
+            self.rank_trainer.load_state_dict(self._restored)
+            self._restored = None
+        elif trainer.global_step > 0:
+            warnings.warn(
+                f"resumed at step {trainer.global_step} from a checkpoint without "
+                "rank-adaptation state, so the rank schedule starts again",
+                stacklevel=2,
+            )
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         weight, extra = self.rank_trainer.rank_terms()
