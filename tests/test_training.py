@@ -316,6 +316,38 @@ def test_checkpoint_after_pruning_resumes_to_the_same_loss():
     assert len(resumed.history) == len(trainer.history) == 6
 
 
+def test_resume_through_comera_save_equals_the_uninterrupted_run(tmp_path):
+    """Weights through ``cc.save`` / ``cc.load`` (a fresh model takes the pruned ranks), the
+    trainer's state through JSON: the resumed run is the run."""
+    import json
+
+    import comera_compile as cc
+
+    x, y = data()
+    model = small_model()
+    opt = adamw(model)
+    options = {"early_steps": 4, "prune_every": 2, "target_ratio": 0.4, "total_steps": 16}
+    trainer = RankAdaptiveTrainer(model, opt, **options)
+    for _ in range(8):
+        _trainer_step(model, opt, trainer, x, y)
+    assert trainer.stage == LATE and model[0].ranks != [1, 4, 4, 4, 1]
+    cc.save(model, tmp_path / "ckpt")
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    (tmp_path / "trainer.json").write_text(json.dumps(trainer.state_dict()))
+    expected = [_trainer_step(model, opt, trainer, x, y) for _ in range(8)]
+
+    fresh = cc.load(tmp_path / "ckpt", model=small_model(seed=7))
+    fresh_opt = adamw(fresh)
+    fresh_opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    resumed = RankAdaptiveTrainer(fresh, fresh_opt, **options)
+    resumed.load_state_dict(json.loads((tmp_path / "trainer.json").read_text()))
+    got = [_trainer_step(fresh, fresh_opt, resumed, x, y) for _ in range(8)]
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert fresh[0].ranks == model[0].ranks and fresh[2].ranks == model[2].ranks
+    assert resumed.size() == trainer.size() <= 0.4 * trainer.size_start
+    assert resumed.history.records == trainer.history.records
+
+
 def test_trainer_reaches_target_and_loss_goes_down(tmp_path):
     x, y = data(n=64)
     model = small_model()
