@@ -73,10 +73,13 @@ def _round_trip(build, inputs, loss_fn, budget, tmp_path, hf):
     model = cc.optimize(base, budget, compile=False)
     assert n_params(model) <= budget * n_params(base)
     assert type(model) is type(base)
+    with torch.no_grad():
+        untrained = _call(model.eval(), inputs)
     _train(model, inputs, loss_fn)
     with torch.no_grad():
         expected = _call(model, inputs)
-        assert torch.equal(_call(model, inputs), expected)  # eval is deterministic
+    # training moved the outputs, so only the trained weights can reproduce them below
+    assert not torch.allclose(expected, untrained, rtol=1e-3, atol=1e-5)
     cc.save(model, tmp_path)
     _assert_no_pickle(tmp_path)
     torch.manual_seed(1)  # the base gets other random weights: all must come from the file
