@@ -135,8 +135,10 @@ def _tensorized(spec: str, budget):
     from comera_compile.specs import load_spec
 
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)  # `comera summary mymodels:make` finds ./mymodels.py
+    if ":" in spec and cwd not in sys.path and "" not in sys.path:
+        # `comera summary mymodels:make` finds ./mymodels.py; appended, so a file of the
+        # folder never shadows a module the tools import (a getpass.py, a json.py)
+        sys.path.append(cwd)
     loaded = load_spec(spec)
     if tensorized_layers(loaded.model):
         return loaded.model

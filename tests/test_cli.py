@@ -92,6 +92,32 @@ def test_factory_in_the_current_directory_is_found(tmp_path, monkeypatch, capsys
     assert " tt " in capsys.readouterr().out
 
 
+def test_builtin_spec_never_puts_the_current_directory_on_the_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    assert main(["summary", "mlp"]) == 0
+    assert sys.path == before
+    monkeypatch.delitem(sys.modules, "nothing_here_cwd", raising=False)
+    assert main(["summary", "nothing_here_cwd:make"]) == 2
+    assert sys.path == [*before, str(tmp_path)]  # a module:factory spec appends it
+
+
+def test_a_file_of_the_current_directory_is_never_run_in_place_of_a_module(tmp_path):
+    """`comera summary mlp` imports getpass (through torch); ./getpass.py must not run."""
+    import os
+    import subprocess
+
+    (tmp_path / "getpass.py").write_text("open('ran', 'w').close()\nraise SystemExit(9)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    code = "import sys; from comera_compile.cli import main; sys.exit(main(['summary', 'mlp']))"
+    done = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (tmp_path / "ran").exists()
+
+
 def test_factory_returning_a_non_module(tmp_path, monkeypatch, capsys):
     (tmp_path / "notamodel_cwd.py").write_text("def make():\n    return 'oops'\n")
     monkeypatch.chdir(tmp_path)
