@@ -295,3 +295,58 @@ def test_hugging_face_resume_equals_the_uninterrupted_run(tmp_path):
     assert got.column("task_loss") == pytest.approx(want.column("task_loss"), rel=1e-9)
     for (name, a), b in zip(resumed.state_dict().items(), whole.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
+
+
+class Sentences(Dataset):
+    """Token ids labelled by whether the first token is in the upper half of the vocabulary."""
+
+    def __init__(self, n=64, vocab=1000):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(3, vocab, (n, 12), generator=g)
+        self.labels = (self.ids[:, 0] > vocab // 2).long()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+@pytest.mark.slow
+def test_bert_classifier_resumed_mid_run_ends_at_the_uninterrupted_size(tmp_path):
+    """The run a new user makes: a BERT classifier from a config, optimized, accumulation 2,
+    checkpoints every 12 of 24 steps; resumed on a fresh optimized model it is the run."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import comera_compile as cc
+    from comera_compile.integrations.huggingface import RankAdaptiveHFTrainer
+
+    def run(out, resume=None):
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=256, max_position_embeddings=16, num_labels=2,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        model = cc.optimize(transformers.BertForSequenceClassification(config), 0.3,
+                            compile=False)
+        trainer = RankAdaptiveHFTrainer(
+            model=model,
+            args=hf_args(out, steps=24, batch=8, accumulation=2, learning_rate=1e-3,
+                         lr_scheduler_type="linear", save_strategy="steps", save_steps=12),
+            train_dataset=Sentences(),
+            rank_adaptation={"target_ratio": 0.5, "early_steps": 8, "prune_every": 4},
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer.rank_trainer
+
+    whole, whole_trainer = run(tmp_path / "whole")
+    resumed, resumed_trainer = run(tmp_path / "resumed", str(tmp_path / "whole/checkpoint-12"))
+    size = sum(p.numel() for p in whole.parameters())
+    assert sum(p.numel() for p in resumed.parameters()) == size
+    assert whole_trainer.history[11]["params"] < whole_trainer.history[0]["params"]  # pruned
+    assert whole_trainer.size() <= 0.5 * whole_trainer.size_start + 1
+    got, want = resumed_trainer.history, whole_trainer.history
+    for column in ("stage", "params", "ranks"):
+        assert got.column(column) == want.column(column), column
+    assert got.column("task_loss") == pytest.approx(want.column("task_loss"), rel=1e-5)
