@@ -4,6 +4,8 @@ optimizer state, checkpoint/resume, history and plots."""
 import copy
 import csv
 import io
+import math
+import warnings
 
 import pytest
 import torch
@@ -234,6 +236,27 @@ def test_pruning_slices_the_state_of_every_elementwise_optimizer(name):
         assert _train_step(pruned, opt_p, x, y) == pytest.approx(
             _train_step(masked, opt_m, x, y), rel=1e-10
         )
+
+
+@pytest.mark.parametrize("name", ["adafactor", "flat-momentum", *sorted(ELEMENTWISE)])
+def test_rank_adaptive_run_with_every_optimizer_prunes_and_trains_on(name):
+    x, y = data()
+    model = small_model()
+    build = {"adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+             "flat-momentum": FlatMomentum, **ELEMENTWISE}[name]
+    opt = build(model.parameters())
+    trainer = RankAdaptiveTrainer(model, opt, early_steps=4, prune_every=2, target_ratio=0.5,
+                                  total_steps=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the flat optimizer's reset is warned about above
+        losses = [_trainer_step(model, opt, trainer, x, y) for _ in range(16)]
+    assert trainer.target_reached and model[0].ranks != [1, 4, 4, 4, 1]
+    assert sum(r["pruned"] for r in trainer.history.records) > 0
+    assert all(math.isfinite(v) for v in losses)
+    for p in model.parameters():  # every state the optimizer kept fits its parameter
+        for value in opt.state[p].values():
+            if torch.is_tensor(value) and value.dim() == p.dim():
+                assert all(s in (1, n) for s, n in zip(value.shape, p.shape))
 
 
 def test_pruning_slices_adafactor_factored_state():
