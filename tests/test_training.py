@@ -369,6 +369,7 @@ def test_resume_through_comera_save_equals_the_uninterrupted_run(tmp_path):
     assert fresh[0].ranks == model[0].ranks and fresh[2].ranks == model[2].ranks
     assert resumed.size() == trainer.size() <= 0.4 * trainer.size_start
     assert resumed.history.records == trainer.history.records
+    assert resumed.cuts == trainer.cuts > 0
 
 
 def test_trainer_reaches_target_and_loss_goes_down(tmp_path):

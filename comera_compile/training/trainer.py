@@ -471,6 +471,7 @@ class RankAdaptiveTrainer:
             "size_norm": float(self._size_norm) if self._tensors_ready else 1.0,
             "lam": self.lam,
             "counts": list(self._counts),
+            "cuts": self.cuts,
             "schedule": None if self.schedule is None else vars(self.schedule).copy(),
             "plateau": self.plateau.state_dict(),
             "history": None if self._history is None else self._history.state_dict(),
@@ -484,6 +485,7 @@ class RankAdaptiveTrainer:
         self.task_loss_target = state["task_loss_target"]
         self.lam = state.get("lam", 0.0)
         self._counts = list(state.get("counts", self.bank.sizes()))
+        self.cuts = state.get("cuts", 0)
         schedule = state.get("schedule")
         self.schedule = None if schedule is None else BudgetSchedule(**schedule)
         self._ensure_tensors()
