@@ -198,7 +198,7 @@ def run_row(args) -> dict:
     base = [g["lr"] for g in optimizer.param_groups]
     trainer = None
     if args.row.startswith("comera"):
-        fixed = count(build(args, "tt")[0])
+        fixed = count(build(args, "tt")[0])  # the size of the fixed-rank TT row
         trainer = cc.training.RankAdaptiveTrainer(  # defaults, but for the run's length
             model, optimizer, target_params=fixed, total_steps=args.steps)
     data_gen = torch.Generator().manual_seed(args.seed + 2)
@@ -232,6 +232,7 @@ def run_row(args) -> dict:
     compiled = "compiled" in args.row or args.compile
     return {
         "compiles": graphs_compiled() if compiled else 0,
+        "cuts": trainer.cuts if trainer is not None else 0,
         "how": cc.summary(model).compiled if cc.nn.tensorized_layers(model) else "",
         "row": args.row,
         "params_start": params_start,
@@ -264,14 +265,18 @@ def comparisons(results: dict, clock: float) -> list[str]:
             gap = at_time(results[row]["curve"], clock)[0] - at_time(results["dense"]["curve"],
                                                                       clock)[0]
             lines.append(f"{row} - dense at {clock:.0f} s: {gap:+.3f} bpb")
-    if "comera" in end and "tt" in end:
-        lines.append(f"comera - tt (same final size): {end['comera'] - end['tt']:+.3f} bpb")
+    fixed = "tt" if "tt" in end else "default"  # the default format is TT
+    if "comera" in end and fixed in end:
+        lines.append(f"comera - {fixed} (TT at fixed ranks of the same final size): "
+                     f"{end['comera'] - end[fixed]:+.3f} bpb")
     for row in results:
         eager = row.removesuffix("-compiled")
         if row.endswith("-compiled") and eager in results:
             ratio = results[eager]["curve"][-1][1] / results[row]["curve"][-1][1]
-            lines.append(f"{row} over {eager}, end to end (compiles included): {ratio:.2f}x, "
-                         f"{results[row]['compiles']} graphs compiled; {results[row]['how']}")
+            r = results[row]
+            lines.append(f"{row} over {eager}, end to end (compiles included): {ratio:.2f}x; "
+                         f"{r['compiles']} graphs compiled (training and evaluation), "
+                         f"{r['cuts']} shape-changing prunes; {r['how']}")
     return lines
 
 
