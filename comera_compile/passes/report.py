@@ -103,6 +103,7 @@ class Summary:
     tied: dict[str, str] = field(default_factory=dict)  # head name -> embedding it reads
     notes: dict[str, str] = field(default_factory=dict)  # per layer: what changed in use
     compiled: str = ""  # whether the model runs compiled, and why
+    advice: str = ""  # a better choice for what the model is set up to do, if one is known
 
     @property
     def compression(self) -> float:
@@ -132,6 +133,8 @@ class Summary:
             lines.append(f"returned: {self.returned}")
         if self.compiled:
             lines.append(f"compiled: {self.compiled}")
+        if self.advice:
+            lines.append(f"advice: {self.advice}")
         lines.append(text_table(header, rows))
         lines.append(
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
@@ -192,7 +195,23 @@ def summary(model: nn.Module) -> Summary:
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
         _notes(model),
         compiled,
+        _advice(report, records),
     )
+
+
+FROM_SCRATCH_ADVICE = (
+    "training from scratch (init='random'): format='cola' (low rank with SiLU on the bond) "
+    "is the format that matches a dense model of equal parameters in the pretraining race "
+    "(benchmarks/pretrain.py); TT and low rank trail it there"
+)
+
+
+def _advice(report: OptimizeReport | None, records: list[dict[str, Any]]) -> str:
+    """Point a from-scratch run with plain linear formats at the format that pays there."""
+    if report is None or report.init != "random":
+        return ""
+    linear = {r["format"] for r in records if r["format"] != "tt_embedding"}
+    return FROM_SCRATCH_ADVICE if linear and "cola" not in linear else ""
 
 
 def _compiled(model: nn.Module) -> str:
