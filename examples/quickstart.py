@@ -16,7 +16,7 @@ small = cc.optimize(model, budget=0.1, example_inputs=(x[:64],), compile=False)
 print(cc.summary(small))
 optimizer = torch.optim.AdamW(cc.training.param_groups(small, lr=3e-3))
 trainer = cc.training.RankAdaptiveTrainer(small, optimizer, target_ratio=0.5, total_steps=steps)
-for step in range(steps):
+for _ in range(steps):
     i = torch.randint(0, 7168, (128,))
     loss = trainer.loss(nn.functional.cross_entropy(small(x[i]), y[i]))
     optimizer.zero_grad()
