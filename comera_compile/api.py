@@ -25,6 +25,7 @@ from comera_compile.passes import (
     exact_graph_module,
     find_candidates,
     fuse_captured,
+    input_grams,
     layer_records,
     materialize,
     on_meta,
@@ -191,7 +192,7 @@ def optimize(
         layer_format,
         max_rank,
     )
-    weights = None
+    weights = grams = None
     if init == "dense" and on_meta(target):
         raise ValueError(
             "the model is on the meta device, so there is no weight to decompose with "
@@ -199,9 +200,11 @@ def optimize(
         )
     if init == "dense" and example_inputs is not None and budget is not None:
         weights = output_weights(target, example_inputs, [o.cand for o in options])
-    selection = select_layers(options, skipped, budget, before, max_rank, init, weights)
+    if init == "dense" and example_inputs is not None:
+        grams = input_grams(target, example_inputs, [o.cand for o in options])
+    selection = select_layers(options, skipped, budget, before, max_rank, init, weights, grams)
     restore_untouched(target, attentions, selection.chosen, selection.skipped)
-    rewrite(target, selection.chosen, init, device)
+    rewrite(target, selection.chosen, init, device, grams)
     if on_meta(target):
         materialize(target, device)
     for name in selection.chosen:
