@@ -38,6 +38,8 @@ from comera_compile.passes import (
     split_attention,
     summary,
 )
+from comera_compile.passes.choose import ALLOCATED_AS, AUTO, choose_formats
+from comera_compile.passes.targets import check_layer_config, config_for
 from comera_compile.planner import PlanReport, parse_objective
 
 __all__ = [
@@ -58,7 +60,8 @@ def _check_arguments(model, init, layer_format, max_rank, objective) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize takes an nn.Module, got {type(model).__name__}")
     check_init(init)
-    check_format(layer_format)
+    if layer_format != AUTO:
+        check_format(layer_format)
     if max_rank is not None:
         positive_int("max_rank", max_rank)
     parse_objective(objective)
@@ -113,6 +116,9 @@ def optimize(
     ``Module.compile(backend="comera")`` does (the whole model as one graph, compiled on
     the first call; then one graph per plan region of the batch size and per rank change;
     the class is kept); ``compile=False`` returns the eager module.
+    ``format="auto"`` (with ``init="dense"`` and ``example_inputs``) sizes the layers in low
+    rank, then gives each Linear layer the format (low rank, TT or TTM) of least output error
+    at that size, and says why in the summary; without inputs it is low rank.
     ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
@@ -189,7 +195,7 @@ def optimize(
         exclude,
         filter_fn,
         layer_config,
-        layer_format,
+        ALLOCATED_AS if layer_format == AUTO else layer_format,
         max_rank,
     )
     weights = grams = None
@@ -203,6 +209,11 @@ def optimize(
     if init == "dense" and example_inputs is not None:
         grams = input_grams(target, example_inputs, [o.cand for o in options])
     selection = select_layers(options, skipped, budget, before, max_rank, init, weights, grams)
+    if layer_format == AUTO and grams:
+        configured = check_layer_config(layer_config)
+        keep = {o.cand.name for o in options
+                if "format" in (config_for(o.cand.name, configured) or {})}
+        selection.order_reasons.update(choose_formats(selection.chosen, grams, keep))
     restore_untouched(target, attentions, selection.chosen, selection.skipped)
     rewrite(target, selection.chosen, init, device, grams)
     if on_meta(target):

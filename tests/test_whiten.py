@@ -95,3 +95,29 @@ def test_optimize_with_example_inputs_truncates_what_the_outputs_feel():
             errors[name] = float((student(x) - teacher(x)).square().sum()
                                  / teacher(x).square().sum())
     assert errors["whitened"] < errors["plain"]
+
+
+def test_format_auto_picks_each_layers_format_by_output_error_and_says_why():
+    from comera_compile.nn import TensorizedLayer
+
+    torch.manual_seed(0)
+    teacher = _Encoder().eval()
+    x = _anisotropic_inputs(512, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        auto = cc.optimize(copy.deepcopy(teacher), 0.3, example_inputs=x, init="dense",
+                           compile=False, format="auto")
+        named = cc.optimize(copy.deepcopy(teacher), 0.3, example_inputs=x, init="dense",
+                            compile=False, format="ttm")
+    text = str(cc.summary(auto))
+    for name in ("up", "down"):
+        layer = auto.get_submodule(name)
+        assert isinstance(layer, TensorizedLayer)
+        assert f"format {layer.format}: least output error" in text
+        line = next(s for s in text.splitlines() if s.strip().startswith(f"{name}: format"))
+        errors = {part.split()[0]: float(part.split()[1])
+                  for part in line.split("(", 1)[1].rsplit(")", 1)[0].split(", ")}
+        assert errors[layer.format] == min(errors.values())
+    assert all(named.get_submodule(n).format == "ttm" for n in ("up", "down"))  # named wins
+    params = sum(p.numel() for p in auto.parameters())
+    assert params <= 0.3 * sum(p.numel() for p in teacher.parameters()) * 1.01
