@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from comera_compile.formats.whiten import gram_factor
 from comera_compile.nn import TensorizedLayer
 from comera_compile.passes.inputs import as_call, quiet_eval
 
@@ -172,9 +173,8 @@ class _Inputs:
         """Inputs for one step: ids drawn by frequency (plus ``uniform`` share drawn evenly
         over the table, so unseen rows are not forgotten), or the Gram's square root, whose
         rows reproduce ``sum x^T x`` exactly (the loss on them is the loss on all rows)."""
-        if self.gram is not None:
-            values, vectors = torch.linalg.eigh(self.gram / max(self.rows, 1))
-            rows = (vectors * values.clamp_min(0).sqrt()).T.float()
+        if self.gram is not None:  # a Cholesky factor L (G = L L^T): the rows of L^T
+            rows = gram_factor(self.gram / max(self.rows, 1), damping=1e-6).T.float()
             return lambda: rows
         ids, counts = torch.unique(torch.cat(self.ids), return_counts=True)
         probs = counts.double() / counts.sum()
@@ -236,13 +236,16 @@ def fit_layers(
     start = time.perf_counter()
     seen = {name: _Inputs() for name in names}
     _capture(teacher, batches, seen, dense, None if steps else time_limit / 3)
-    time_left = time_limit - (time.perf_counter() - start)
     budget = {n: sum(p.numel() for p in small[n].parameters()) for n in names}
     total = sum(budget.values())
     result = {}
-    for name in names:
-        limit = time_left * budget[name] / total
+    for name in names:  # the time left, shared by the layers still to fit (setup included)
+        time_left = time_limit - (time.perf_counter() - start)
+        limit = max(0.0, time_left) * budget[name] / total
+        total -= budget[name]
+        setup = time.perf_counter()
         draw = seen[name].sampler(sample, uniform, _num_rows(dense[name]))
+        limit -= time.perf_counter() - setup
         result[name] = _fit_one(small[name], dense[name], draw, limit, steps, lr, name,
                                 progress, seen[name].mean_gram())
     return result
@@ -322,6 +325,7 @@ def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], lim
     """Closed-form start (linear layers: the output-aware decomposition on the recorded
     Gram, kept if it scores better), then Adam on the cores; the best state seen wins, so
     the layer's error never rises."""
+    start = time.perf_counter()  # the closed form counts against ``limit`` too
     fitted = [p for n, p in layer.named_parameters()
               if n != "bias" and not n.startswith("gates") and p.is_floating_point()]
     flags = [(p, p.requires_grad) for p in layer.parameters()]
@@ -359,7 +363,7 @@ def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], lim
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(fitted, lr=lr)
     bar = _progress(steps, progress, f"fit {name}")
-    start, done = time.perf_counter(), 0
+    done = 0
     try:
         while (steps is None or done < steps) and (
                 steps is not None or time.perf_counter() - start < limit):
