@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.formats import positive_int, positive_ints
+from comera_compile.formats import TT, positive_int, positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes import (
@@ -90,7 +90,7 @@ def optimize(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     layer_config: dict[str, dict[str, Any]] | None = None,
     init: str = "random",
-    format: str = "tt",
+    format: str | None = None,
     max_rank: int | None = None,
     compile: bool = True,
     autotune: bool = False,
@@ -118,7 +118,9 @@ def optimize(
     the class is kept); ``compile=False`` returns the eager module.
     ``format="auto"`` (with ``init="dense"`` and ``example_inputs``) sizes the layers in low
     rank, then gives each Linear layer the format (low rank, TT or TTM) of least output error
-    at that size, and says why in the summary; without inputs it is low rank.
+    at that size, and says why in the summary; without inputs it is low rank. The default
+    (None) is ``"auto"`` for ``init="dense"`` with ``example_inputs``, else ``"tt"``; a
+    format you name is kept.
     ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
@@ -148,6 +150,8 @@ def optimize(
     # and drop them, so any later use of either name fails loudly instead of misleading.
     layer_format, compile_result = format, compile
     del format, compile
+    if layer_format is None:  # pretrained weights seen at work: each layer's own format
+        layer_format = AUTO if init == "dense" and example_inputs is not None else TT
     _check_arguments(model, init, layer_format, max_rank, objective)
     if memory != "default" and not compile_result:
         raise ValueError(f"memory={memory!r} acts while compiling; pass compile=True")

@@ -106,7 +106,7 @@ def test_format_auto_picks_each_layers_format_by_output_error_and_says_why():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         auto = cc.optimize(copy.deepcopy(teacher), 0.3, example_inputs=x, init="dense",
-                           compile=False, format="auto")
+                           compile=False)  # the default for pretrained weights with inputs
         named = cc.optimize(copy.deepcopy(teacher), 0.3, example_inputs=x, init="dense",
                             compile=False, format="ttm")
     text = str(cc.summary(auto))
