@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from comera_compile.config import CompileOptions, CompressionConfig, config_of
-from comera_compile.formats import positive_ints
+from comera_compile.formats import TT, positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes import (
@@ -24,6 +24,7 @@ from comera_compile.passes import (
     exact_graph_module,
     find_candidates,
     fuse_captured,
+    input_grams,
     layer_records,
     materialize,
     on_meta,
@@ -36,6 +37,8 @@ from comera_compile.passes import (
     split_attention,
     summary,
 )
+from comera_compile.passes.choose import ALLOCATED_AS, AUTO, choose_formats
+from comera_compile.passes.targets import check_layer_config, config_for
 from comera_compile.planner import PlanReport
 
 __all__ = [
@@ -67,7 +70,7 @@ def _check_dtypes(candidates) -> None:
 
 
 _OPTIMIZE_DEFAULTS = {
-    "budget": None, "format": "tt", "init": "random", "max_rank": None, "include": None,
+    "budget": None, "format": None, "init": "random", "max_rank": None, "include": None,
     "exclude": None, "layer_config": None, "objective": "combo", "autotune": False,
     "fuse": False, "device": "cpu", "compile": True, "memory": "default", "host_memory": None,
 }
@@ -84,7 +87,7 @@ def optimize(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     layer_config: dict[str, dict[str, Any]] | None = None,
     init: str = "random",
-    format: str = "tt",
+    format: str | None = None,
     max_rank: int | None = None,
     compile: bool | str = True,
     autotune: bool = False,
@@ -123,6 +126,11 @@ def optimize(
     keeps the faster, so compiling never leaves a model slower (``summary`` says which
     runs, with the measured ratio); ``compile="always"`` keeps it compiled without timing;
     ``compile=False`` returns the eager module.
+    ``format="auto"`` (with ``init="dense"`` and ``example_inputs``) sizes the layers in low
+    rank, then gives each Linear layer the format (low rank, TT or TTM) of least output error
+    at that size, and says why in the summary; without inputs it is low rank. The default
+    (None) is ``"auto"`` for ``init="dense"`` with ``example_inputs``, else ``"tt"``; a
+    format you name is kept.
     ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
@@ -188,6 +196,8 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
     autotune, objective, device, fuse = (config.autotune, config.objective, config.device,
                                          config.fuse)
     layer_format, compile_result = config.format, config.compile
+    if layer_format is None:  # pretrained weights seen at work: each layer's own format
+        layer_format = AUTO if init == "dense" and example_inputs is not None else TT
     budget = parse_budget(budget)
     target = model if inplace else copy.deepcopy(model)
     attentions = split_attention(target)  # its projections become ordinary Linear layers
@@ -226,10 +236,10 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         exclude,
         filter_fn,
         layer_config,
-        layer_format,
+        ALLOCATED_AS if layer_format == AUTO else layer_format,
         max_rank,
     )
-    weights = None
+    weights = grams = None
     if init == "dense" and on_meta(target):
         raise ValueError(
             "the model is on the meta device, so there is no weight to decompose with "
@@ -237,9 +247,16 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         )
     if init == "dense" and example_inputs is not None and budget is not None:
         weights = output_weights(target, example_inputs, [o.cand for o in options])
-    selection = select_layers(options, skipped, budget, before, max_rank, init, weights)
+    if init == "dense" and example_inputs is not None:
+        grams = input_grams(target, example_inputs, [o.cand for o in options])
+    selection = select_layers(options, skipped, budget, before, max_rank, init, weights, grams)
+    if layer_format == AUTO and grams:
+        configured = check_layer_config(layer_config)
+        keep = {o.cand.name for o in options
+                if "format" in (config_for(o.cand.name, configured) or {})}
+        selection.order_reasons.update(choose_formats(selection.chosen, grams, keep))
     restore_untouched(target, attentions, selection.chosen, selection.skipped)
-    rewrite(target, selection.chosen, init, device)
+    rewrite(target, selection.chosen, init, device, grams)
     if on_meta(target):
         materialize(target, device)
     for name in selection.chosen:

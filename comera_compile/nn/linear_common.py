@@ -89,10 +89,15 @@ class PlannedLinearMixin(PlannedLayer):
         module: nn.Linear,
         ranks: int | Sequence[int] | None = None,
         tolerance: float | None = None,
+        gram: Tensor | None = None,
         **kwargs,
     ):
         """The layer's decomposition of a Linear's weight (TT-SVD or TTM-SVD), truncated to
-        ``ranks`` and/or the relative error ``tolerance`` (exact when neither is given)."""
+        ``ranks`` and/or the relative error ``tolerance`` (exact when neither is given).
+
+        ``gram``: the ``(in, in)`` Gram ``X^T X`` of the inputs the layer sees; the truncation
+        then minimises the output error on them instead of the weight's (``formats.whiten``;
+        ranks only, no ``tolerance``)."""
         layer = cls(
             module.in_features,
             module.out_features,
@@ -102,13 +107,23 @@ class PlannedLinearMixin(PlannedLayer):
             dtype=module.weight.dtype,
             **kwargs,
         )
-        layer._set_cores(layer._decompose(module.weight.detach(), ranks, tolerance))
+        weight = module.weight.detach()
+        if gram is not None and tolerance is None:
+            cores = layer.decompose_whitened(weight, ranks, gram)
+        else:
+            cores = layer._decompose(weight, ranks, tolerance)
+        layer._set_cores(cores)
         if module.bias is not None:
             layer.bias.data.copy_(module.bias.detach())
         return layer
 
     def _decompose(self, weight: Tensor, ranks, tolerance) -> list[Tensor]:
         """Cores of the ``(out_features, in_features)`` weight, truncated."""
+        raise NotImplementedError
+
+    def decompose_whitened(self, weight: Tensor, ranks, gram: Tensor) -> list[Tensor]:
+        """Cores of the ``(out_features, in_features)`` weight truncated to ``ranks`` where
+        the outputs on inputs of Gram ``gram`` feel it least (``formats.whiten``)."""
         raise NotImplementedError
 
     def network_cores(self, rows: int | torch.SymInt = 0) -> list[Tensor]:

@@ -21,6 +21,7 @@ from comera_compile.formats import (
     tt_to_dense,
     zero_pad,
 )
+from comera_compile.formats.whiten import whitened_tt_svd
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.linear_common import PlannedLinearMixin, linear_init_std
@@ -80,6 +81,11 @@ class TTLinear(PlannedLinearMixin, TensorizedLayer):
         """TT-SVD of an ``(out, in)`` Linear weight, transposed and zero-padded to the modes."""
         padded = zero_pad(weight.T, self.padded_in, self.padded_out)
         return tt_svd(padded, self.in_modes, self.out_modes, max_rank=ranks, tolerance=tolerance)
+
+    def decompose_whitened(self, weight: Tensor, ranks, gram: Tensor) -> list[Tensor]:
+        """Output-aware TT-SVD: the middle bond truncates the whitened weight exactly."""
+        padded = zero_pad(weight.T, self.padded_in, self.padded_out)
+        return whitened_tt_svd(padded, gram, self.in_modes, self.out_modes, max_rank=ranks)
 
 
 def merge_right(cores: Sequence[Tensor]) -> Tensor:

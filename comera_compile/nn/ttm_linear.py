@@ -21,6 +21,7 @@ from comera_compile.formats import (
     ttm_to_dense,
     zero_pad,
 )
+from comera_compile.formats.whiten import whitened_ttm_svd
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.linear_common import PlannedLinearMixin, linear_init_std
@@ -77,3 +78,8 @@ class TTMLinear(PlannedLinearMixin, TensorizedLayer):
         """TTM-SVD of an ``(out, in)`` Linear weight, zero-padded to the modes."""
         padded = zero_pad(weight, self.padded_out, self.padded_in)
         return ttm_svd(padded, self.out_modes, self.in_modes, max_rank=ranks, tolerance=tolerance)
+
+    def decompose_whitened(self, weight: Tensor, ranks, gram: Tensor) -> list[Tensor]:
+        """Output-aware TTM-SVD in the Kronecker-whitened metric of ``gram``."""
+        padded = zero_pad(weight, self.padded_out, self.padded_in)
+        return whitened_ttm_svd(padded, gram, self.out_modes, self.in_modes, max_rank=ranks)

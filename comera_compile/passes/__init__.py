@@ -27,7 +27,7 @@ from comera_compile.passes.select import (
 )
 from comera_compile.passes.shapes import LayerShape, ShapeInfo, propagate_shapes
 from comera_compile.passes.specs import LayerSpec, check_format
-from comera_compile.passes.spectra import output_weights
+from comera_compile.passes.spectra import input_grams, output_weights
 
 __all__ = [
     "DEFAULT_MAX_RANK",
@@ -52,6 +52,7 @@ __all__ = [
     "layer_records",
     "materialize",
     "on_meta",
+    "input_grams",
     "output_weights",
     "parse_budget",
     "parse_bytes",

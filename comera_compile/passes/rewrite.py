@@ -95,11 +95,13 @@ def _as_linear(cand: Candidate) -> nn.Linear:
 
 
 def build_layer(
-    cand: Candidate, spec: LayerSpec, init: str = "random", device: torch.device | str = "cpu"
+    cand: Candidate, spec: LayerSpec, init: str = "random", device: torch.device | str = "cpu",
+    gram: torch.Tensor | None = None,
 ) -> TensorizedLayer:
     """The layer ``spec`` describes: random cores, or a TT-SVD of the current weights.
 
     A layer on the meta device gets its cores on ``device`` (its dense weight never exists).
+    ``gram``: a Linear's input Gram; the TT-SVD then truncates what its outputs feel.
     """
     ranks = list(spec.ranks)
     meta = cand.weight.is_meta
@@ -125,7 +127,8 @@ def build_layer(
             )
         cls = LINEAR_CLASSES[spec.format]
         return cls.from_dense(
-            _as_linear(cand), ranks=internal, in_modes=spec.in_modes, out_modes=spec.out_modes
+            _as_linear(cand), ranks=internal, in_modes=spec.in_modes, out_modes=spec.out_modes,
+            gram=gram,
         )
 
 
@@ -281,12 +284,15 @@ def rewrite(
     chosen: dict[str, tuple[Candidate, LayerSpec]],
     init: str = "random",
     device: torch.device | str = "cpu",
+    grams: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Swap every chosen layer (under each of its names) in place and return ``model``.
-    Layers of a model on the meta device get their cores on ``device``."""
+    Layers of a model on the meta device get their cores on ``device``; ``grams`` (input
+    Grams by layer name) make ``init="dense"`` activation-aware."""
     check_init(init)
+    grams = grams or {}
     for name, (cand, spec) in chosen.items():
-        layer = build_layer(cand, spec, init, device)
+        layer = build_layer(cand, spec, init, device, grams.get(name))
         layer.train(cand.module.training)
         for alias in (name, *cand.aliases):
             set_module(model, alias, layer)

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from comera_compile.formats import TT_EMBEDDING, chain_layout
+from comera_compile.formats import LOWRANK, TT_EMBEDDING, chain_layout
 from comera_compile.passes.allocate import (
     MIN_COMPRESSION,
     LayerPlan,
@@ -34,6 +34,7 @@ from comera_compile.passes.order import pick_order
 from comera_compile.passes.shapes import LayerShape
 from comera_compile.passes.specs import (
     LINEAR_FORMATS,
+    TT,
     LayerSpec,
     auto_modes,
     make_spec,
@@ -242,6 +243,7 @@ def layer_plan(
     init: str = "random",
     max_rank: int | None = None,
     output_weight: float = 1.0,
+    gram=None,
 ) -> LayerPlan:
     """The allocator's view of one option, with the loss that fits ``init``."""
     cache: dict[Ranks | None, dict[str, int]] = {}
@@ -258,8 +260,11 @@ def layer_plan(
                      per_bond=init == "dense", max_rank=max_rank, fixed=fixed,
                      forced=option.forced)
     if init == "dense":
-        option.spectrum = layer_spectrum(option.cand, option.spec(1))
-        plan.loss = error_loss(option.spectrum, output_weight)
+        # whitened by the inputs' Gram, the spectrum's errors are already output errors
+        spec = option.spec(1)
+        gram = gram if spec.format in (TT, LOWRANK) else None
+        option.spectrum = layer_spectrum(option.cand, spec, gram)
+        plan.loss = error_loss(option.spectrum, 1.0 if gram is not None else output_weight)
     else:
         plan.loss = capacity_loss(plan.dense_params, plan.params)
     return plan
@@ -273,6 +278,7 @@ def select_layers(
     max_rank: int | None = None,
     init: str = "random",
     output_weights: dict[str, float] | None = None,
+    grams: dict | None = None,
 ) -> Selection:
     """Choose layers and each one's ranks so the model spends 95-100% of ``budget``.
 
@@ -285,7 +291,8 @@ def select_layers(
         kept = [o for o in options if not o.held]
         reasons = {**skipped, **{o.cand.name: o.held for o in held}}
         try:
-            return select_layers(kept, reasons, budget, before, max_rank, init, output_weights)
+            return select_layers(kept, reasons, budget, before, max_rank, init, output_weights,
+                                 grams)
         except ValueError:  # unreachable without them: every layer competes
             pass
         for option in held:
@@ -297,7 +304,9 @@ def select_layers(
                          order_reasons=_order_reasons(options))
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
     weights = output_weights or {}
-    plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0)) for o in options]
+    grams = grams or {}
+    plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name))
+             for o in options]
     base = {m: before[m] for m in limits}
     states = allocate(plans, base, limits)
     if states is None:

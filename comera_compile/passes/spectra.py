@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from comera_compile.formats import LOWRANK
+from comera_compile.formats.whiten import whiten_tt_matrix
 from comera_compile.passes.candidates import CONV1D, Candidate
 from comera_compile.passes.inputs import as_call, quiet_eval
 from comera_compile.passes.specs import TT, LayerSpec
@@ -29,11 +31,15 @@ def dense_weight(cand: Candidate) -> Tensor:
     return weight.T if cand.kind == CONV1D else weight
 
 
-def chain_tensor(cand: Candidate, spec: LayerSpec) -> Tensor:
-    """The weight zero-padded and arranged as the chain the layer's TT-SVD factorizes."""
+def chain_tensor(cand: Candidate, spec: LayerSpec, gram: Tensor | None = None) -> Tensor:
+    """The weight zero-padded and arranged as the chain the layer's TT-SVD factorizes;
+    with the input ``gram`` of a Linear, the whitened weight whose truncation error is the
+    output's (``formats.whiten``; TT chains only: TTM's Kronecker-factored whitening is too
+    coarse to rank its layers against the others, so they keep the weight's spectrum)."""
     weight = dense_weight(cand).float()
     ins, outs = list(spec.in_modes), list(spec.out_modes)
-    if spec.format == TT:  # TTLinear factorizes W^T (in, out) over in_modes + out_modes
+    tt_chain = spec.format in (TT, LOWRANK)
+    if tt_chain:  # TTLinear factorizes W^T (in, out) over in_modes + out_modes
         matrix, rows, cols = weight.T, ins, outs
     elif cand.is_embedding:  # (rows, dim) over row_modes x col_modes
         matrix, rows, cols = weight, ins, outs
@@ -41,7 +47,9 @@ def chain_tensor(cand: Candidate, spec: LayerSpec) -> Tensor:
         matrix, rows, cols = weight, outs, ins
     padded = F.pad(matrix, (0, math.prod(cols) - matrix.shape[1],
                             0, math.prod(rows) - matrix.shape[0]))
-    if spec.format == TT:
+    if gram is not None and tt_chain:
+        padded = whiten_tt_matrix(padded, gram)
+    if tt_chain:
         return padded.reshape(*rows, *cols)
     d = len(rows)
     perm = [i for k in range(d) for i in (k, d + k)]
@@ -64,9 +72,10 @@ class Spectrum:
         return dropped / self.norm_sq
 
 
-def layer_spectrum(cand: Candidate, spec: LayerSpec) -> Spectrum:
-    """Singular values of every unfolding of the layer's chain tensor (one Gram each)."""
-    tensor = chain_tensor(cand, spec).double()
+def layer_spectrum(cand: Candidate, spec: LayerSpec, gram: Tensor | None = None) -> Spectrum:
+    """Singular values of every unfolding of the layer's chain tensor (one Gram each);
+    whitened by the input ``gram`` when given, so its errors are relative output errors."""
+    tensor = chain_tensor(cand, spec, gram).double()
     dims = list(tensor.shape)
     tails = []
     with torch.no_grad():
@@ -130,6 +139,37 @@ def output_weights(
         if energy_out > 0 and typical > 0:
             weights[cand.name] = typical / energy_out
     return weights
+
+
+def input_grams(
+    model: nn.Module, example_inputs: Any, cands: Sequence[Candidate]
+) -> dict[str, Tensor]:
+    """Per Linear-like layer the forward calls: the Gram ``X^T X / rows`` (float64, CPU) of
+    its inputs at ``example_inputs``, for the activation-aware truncation."""
+    grams: dict[str, list] = {}
+    names = {id(c.module): c.name for c in cands if not c.is_embedding}
+
+    def hook(module, inputs):
+        name = names.get(id(module))
+        if name is None or not inputs or not isinstance(inputs[0], Tensor):
+            return
+        x = inputs[0].detach()
+        if not x.is_floating_point():
+            return
+        x2 = x.reshape(-1, x.shape[-1]).double().cpu()
+        entry = grams.setdefault(name, [0.0, 0])
+        entry[0] = entry[0] + x2.T @ x2
+        entry[1] += x2.shape[0]
+
+    handles = [c.module.register_forward_pre_hook(hook) for c in cands if id(c.module) in names]
+    args, kwargs = as_call(example_inputs)
+    try:
+        with quiet_eval(model), torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: gram / max(rows, 1) for name, (gram, rows) in grams.items()}
 
 
 def relative_error(cand: Candidate, layer: nn.Module) -> float:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from comera_compile.formats.whiten import gram_factor
 from comera_compile.nn import TensorizedLayer
 from comera_compile.passes.inputs import as_call, quiet_eval
 
@@ -164,13 +165,16 @@ class _Inputs:
         self.gram = gram if self.gram is None else self.gram + gram
         self.rows += x2.shape[0]
 
+    def mean_gram(self) -> Tensor | None:
+        """``X^T X / rows`` of the recorded float inputs (None for ids)."""
+        return None if self.gram is None else self.gram / max(self.rows, 1)
+
     def sampler(self, sample: int, uniform: float, num_rows: int) -> Callable[[], Tensor]:
         """Inputs for one step: ids drawn by frequency (plus ``uniform`` share drawn evenly
         over the table, so unseen rows are not forgotten), or the Gram's square root, whose
         rows reproduce ``sum x^T x`` exactly (the loss on them is the loss on all rows)."""
-        if self.gram is not None:
-            values, vectors = torch.linalg.eigh(self.gram / max(self.rows, 1))
-            rows = (vectors * values.clamp_min(0).sqrt()).T.float()
+        if self.gram is not None:  # a Cholesky factor L (G = L L^T): the rows of L^T
+            rows = gram_factor(self.gram / max(self.rows, 1), damping=1e-6).T.float()
             return lambda: rows
         ids, counts = torch.unique(torch.cat(self.ids), return_counts=True)
         probs = counts.double() / counts.sum()
@@ -211,13 +215,15 @@ def fit_layers(
 
     The teacher runs over ``batches`` (stopping each forward after the last layer of
     interest; with a ``time_limit``, for at most a third of it) to record every layer's
-    inputs: a table's ids with their frequencies, a linear layer's input Gram. Then each
-    layer's cores (not its bias or rank gates) take Adam steps on
+    inputs: a table's ids with their frequencies, a linear layer's input Gram. A linear
+    layer of any format first gets the closed-form output-aware decomposition of its dense
+    weight on that Gram (``formats.whiten``: optimal for low rank), kept where it scores
+    better. Then each layer's cores (not its bias or rank gates) take Adam steps on
     ``||layer(x) - dense(x)||^2 / ||dense(x)||^2`` -- ``sample`` ids per step for a table,
     all Gram rows for a linear layer -- for ``steps`` each, or else for the rest of
     ``time_limit`` seconds shared in proportion to the layers' parameters. ``layers`` defaults
-    to ``compressed_layers``. Returns ``{name: (loss before, loss after)}`` on one draw of
-    the recorded inputs.
+    to ``compressed_layers``. The best state seen is kept, so no layer's error rises.
+    Returns ``{name: (loss before, loss after)}`` on one draw of the recorded inputs.
     """
     names = list(compressed_layers(student, teacher) if layers is None else layers)
     dense, small = dict(teacher.named_modules()), dict(student.named_modules())
@@ -230,15 +236,18 @@ def fit_layers(
     start = time.perf_counter()
     seen = {name: _Inputs() for name in names}
     _capture(teacher, batches, seen, dense, None if steps else time_limit / 3)
-    time_left = time_limit - (time.perf_counter() - start)
     budget = {n: sum(p.numel() for p in small[n].parameters()) for n in names}
     total = sum(budget.values())
     result = {}
-    for name in names:
-        limit = time_left * budget[name] / total
+    for name in names:  # the time left, shared by the layers still to fit (setup included)
+        time_left = time_limit - (time.perf_counter() - start)
+        limit = max(0.0, time_left) * budget[name] / total
+        total -= budget[name]
+        setup = time.perf_counter()
         draw = seen[name].sampler(sample, uniform, _num_rows(dense[name]))
+        limit -= time.perf_counter() - setup
         result[name] = _fit_one(small[name], dense[name], draw, limit, steps, lr, name,
-                                progress)
+                                progress, seen[name].mean_gram())
     return result
 
 
@@ -277,22 +286,84 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
             handle.remove()
 
 
+def _dense_linear_weight(layer: nn.Module, dense: nn.Module) -> Tensor | None:
+    """The dense layer's weight as ``(out, in)`` if it is a Linear-like layer ``layer``
+    replaces (a Hugging Face Conv1D stores it transposed), else None."""
+    weight = getattr(dense, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.is_meta:
+        return None
+    shape = (getattr(layer, "out_features", -1), getattr(layer, "in_features", -1))
+    if tuple(weight.shape) == shape:
+        return weight.detach()
+    if tuple(weight.shape) == shape[::-1]:
+        return weight.detach().T
+    return None
+
+
+@torch.no_grad()
+def _closed_form(layer: nn.Module, dense: nn.Module, gram: Tensor | None) -> list[Tensor] | None:
+    """Cores re-decomposed from the dense weight where the recorded inputs feel the error
+    least (``formats.whiten``), at the layer's ranks; None where that does not apply (an
+    embedding, a layer without a dense weight, or rank gates already switched off)."""
+    decompose = getattr(layer, "decompose_whitened", None)
+    if gram is None or decompose is None:
+        return None
+    if layer.effective_ranks() != layer.ranks:
+        return None
+    weight = _dense_linear_weight(layer, dense)
+    if weight is None:
+        return None
+    try:
+        return decompose(weight.float(), layer.ranks[1:-1], gram)
+    except NotImplementedError:
+        return None
+
+
 def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], limit: float,
-             steps: int | None, lr: float, name: str, progress: bool) -> tuple[float, float]:
+             steps: int | None, lr: float, name: str, progress: bool,
+             gram: Tensor | None = None) -> tuple[float, float]:
+    """Closed-form start (linear layers: the output-aware decomposition on the recorded
+    Gram, kept if it scores better), then Adam on the cores; the best state seen wins, so
+    the layer's error never rises."""
+    start = time.perf_counter()  # the closed form counts against ``limit`` too
     fitted = [p for n, p in layer.named_parameters()
               if n != "bias" and not n.startswith("gates") and p.is_floating_point()]
     flags = [(p, p.requires_grad) for p in layer.parameters()]
+    check = draw()  # one fixed draw scores before and after
+    with torch.no_grad():
+        target = dense(check)
+
+    def score() -> float:
+        with torch.no_grad():
+            return float(distill_loss(layer(check), target))
+
+    def snapshot() -> list[Tensor]:
+        return [p.detach().clone() for p in layer.parameters()]
+
+    def restore(state: list[Tensor]) -> None:
+        with torch.no_grad():
+            for p, saved in zip(layer.parameters(), state):
+                p.data = saved
+        if hasattr(layer, "invalidate_plans"):
+            layer.invalidate_plans()
+
+    before = score()
+    best, best_state = before, snapshot()
+    cores = _closed_form(layer, dense, gram)
+    if cores is not None:
+        layer._set_cores(cores)
+        closed = score()
+        if closed < best:
+            best, best_state = closed, snapshot()
+        else:
+            restore(best_state)
     for p, _ in flags:
         p.requires_grad_(False)
     for p in fitted:
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(fitted, lr=lr)
-    check = draw()  # one fixed draw scores before and after
-    with torch.no_grad():
-        target = dense(check)
-        before = float(distill_loss(layer(check), target))
     bar = _progress(steps, progress, f"fit {name}")
-    start, done = time.perf_counter(), 0
+    done = 0
     try:
         while (steps is None or done < steps) and (
                 steps is not None or time.perf_counter() - start < limit):
@@ -312,8 +383,10 @@ def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], lim
             p.requires_grad_(flag)
         if bar is not None:
             bar.close()
-    with torch.no_grad():
-        after = float(distill_loss(layer(check), target))
+    after = score()
+    if after > best:
+        restore(best_state)
+        after = best
     return before, after
 
 
