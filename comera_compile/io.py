@@ -288,6 +288,9 @@ def _build_hf_base(directory: str, manifest: dict, state: dict[str, torch.Tensor
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise refuse(f"names no transformers model class (architectures={names!r:.80})")
+    config_class = getattr(cls, "config_class", None)  # None: an abstract base class
+    if not (isinstance(config_class, type) and isinstance(config, config_class)):
+        raise refuse(f"names {name}, which is not a model class of its {type(config).__name__}")
     try:
         with torch.device("meta"):  # sizes only: nothing is allocated
             meta = cls(config)
