@@ -15,11 +15,16 @@ from comera_compile.formats import TT, positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes import (
+    ALLOCATED_AS,
+    AUTO,
     Budget,
     OptimizeReport,
     Summary,
     attach_report,
     capture,
+    check_layer_config,
+    choose_formats,
+    config_for,
     eligible_options,
     exact_graph_module,
     find_candidates,
@@ -37,8 +42,6 @@ from comera_compile.passes import (
     split_attention,
     summary,
 )
-from comera_compile.passes.choose import ALLOCATED_AS, AUTO, choose_formats
-from comera_compile.passes.targets import check_layer_config, config_for
 from comera_compile.planner import PlanReport
 
 __all__ = [

@@ -8,6 +8,7 @@ from comera_compile.passes.attention import restore_untouched, split_attention
 from comera_compile.passes.budget import Budget, parse_budget, parse_bytes
 from comera_compile.passes.candidates import Candidate, find_candidates
 from comera_compile.passes.capture import Capture, capture, exact_graph_module
+from comera_compile.passes.choose import ALLOCATED_AS, AUTO, choose_formats  # noqa: E402
 from comera_compile.passes.fuse import fuse_captured
 from comera_compile.passes.materialize import materialize, on_meta
 from comera_compile.passes.report import (
@@ -28,6 +29,7 @@ from comera_compile.passes.select import (
 from comera_compile.passes.shapes import LayerShape, ShapeInfo, propagate_shapes
 from comera_compile.passes.specs import LayerSpec, check_format
 from comera_compile.passes.spectra import input_grams, output_weights
+from comera_compile.passes.targets import check_layer_config, config_for  # noqa: E402
 
 __all__ = [
     "DEFAULT_MAX_RANK",
@@ -63,4 +65,9 @@ __all__ = [
     "select_layers",
     "split_attention",
     "summary",
+    "ALLOCATED_AS",
+    "AUTO",
+    "check_layer_config",
+    "choose_formats",
+    "config_for",
 ]
