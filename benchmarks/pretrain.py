@@ -11,8 +11,9 @@ steps and schedule, and reports held-out bits per byte:
 - ``default``: ``optimize(budget=...)`` with default options and
   ``param_groups(model, lr=...)`` (the dense model's learning rate, nothing else);
 - one row per format (``tt``, ``ttm``, ``lowrank``, ``cola``) at the same budget;
-- ``comera``: rank-adaptive training that starts twice as large and ends at the size of
-  the ``tt`` row (``comera`` is compared with ``tt``: same layers, same final size);
+- ``comera``: rank-adaptive training in the default format that starts twice as large and
+  ends at the size of the ``default`` row (same layers, same final size, fixed ranks);
+  ``comera-tt`` does the same with TT layers and is compared with the ``tt`` row;
 - ``comera-compiled`` / ``default-compiled``: the same runs with ``optimize``'s default
   ``compile=True`` (compiled, raced against eager in the first steps), whose time
   includes every compile; the graphs compiled are counted;
@@ -51,7 +52,8 @@ from comera_compile.compile import graphs_compiled  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 FORMAT_ROWS = ("tt", "ttm", "lowrank", "cola")
-ALL_ROWS = ("dense", "dense-equal", "default", *FORMAT_ROWS, "comera", "comera-compiled",
+ADAPTIVE_ROWS = {"comera": "default", "comera-tt": "tt"}  # rank-adaptive row: its fixed row
+ALL_ROWS = ("dense", "dense-equal", "default", *FORMAT_ROWS, *ADAPTIVE_ROWS, "comera-compiled",
             "default-compiled", "galore")
 
 
@@ -135,8 +137,9 @@ def build(args, row: str):
         return narrower(args, target)[0], None
     compiled = row.endswith("-compiled") or args.compile
     row = row.removesuffix("-compiled")
-    budget = args.budget * 2 if row == "comera" else args.budget
-    kwargs = {} if row == "default" else {"format": "tt" if row == "comera" else row}
+    fixed = ADAPTIVE_ROWS.get(row, row)  # a rank-adaptive row's layers are its fixed row's
+    budget = args.budget * 2 if row in ADAPTIVE_ROWS else args.budget
+    kwargs = {} if fixed == "default" else {"format": fixed}
     model = cc.optimize(dense, budget=budget, example_inputs=example, compile=compiled,
                         **kwargs)
     return model, None
@@ -198,8 +201,9 @@ def run_row(args) -> dict:
     optimizer = optimizer_for(args, args.row, model)
     base = [g["lr"] for g in optimizer.param_groups]
     trainer = None
-    if args.row.startswith("comera"):
-        fixed = count(build(args, "tt")[0])  # the size of the fixed-rank TT row
+    adaptive = args.row.removesuffix("-compiled")
+    if adaptive in ADAPTIVE_ROWS:
+        fixed = count(build(args, ADAPTIVE_ROWS[adaptive])[0])  # its fixed-rank row's size
         trainer = cc.training.RankAdaptiveTrainer(  # defaults, but for the run's length
             model, optimizer, target_params=fixed, total_steps=args.steps)
     data_gen = torch.Generator().manual_seed(args.seed + 2)
@@ -267,10 +271,10 @@ def comparisons(results: dict, clock: float) -> list[str]:
             gap = at_time(results[row]["curve"], clock)[0] - at_time(results["dense"]["curve"],
                                                                       clock)[0]
             lines.append(f"{row} - dense at {clock:.0f} s: {gap:+.3f} bpb")
-    fixed = "tt" if "tt" in end else "default"  # the default format is TT
-    if "comera" in end and fixed in end:
-        lines.append(f"comera - {fixed} (TT at fixed ranks of the same final size): "
-                     f"{end['comera'] - end[fixed]:+.3f} bpb")
+    for adaptive, fixed in ADAPTIVE_ROWS.items():
+        if adaptive in end and fixed in end:
+            lines.append(f"{adaptive} - {fixed} (the same layers at fixed ranks of the same "
+                         f"final size): {end[adaptive] - end[fixed]:+.3f} bpb")
     for row in results:
         eager = row.removesuffix("-compiled")
         if row.endswith("-compiled") and eager in results:

@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from comera_compile.config import CompileOptions, CompressionConfig, config_of
-from comera_compile.formats import TT, positive_ints
+from comera_compile.formats import COLA, TT, positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes import (
     ALLOCATED_AS,
     AUTO,
     Budget,
+    BudgetUnreachable,
     OptimizeReport,
     Summary,
     attach_report,
@@ -132,9 +133,11 @@ def optimize(
     ``format="auto"`` (with ``init="dense"`` and ``example_inputs``) sizes the layers in low
     rank, then gives each Linear layer the format (low rank, TT or TTM) of least output error
     at that size, and says why in the summary; without inputs it is low rank. The default
-    (None) is ``"auto"`` for ``init="dense"`` with ``example_inputs``, else ``"tt"``; a
-    format you name is kept.
-    ``format`` is ``"tt"`` (each layer's order, i.e. modes per side,
+    (None): from scratch (``init="random"``) ``"cola"`` (TT where the budget is below its
+    rank-1 floor); ``"auto"`` for ``init="dense"`` with ``example_inputs``; else ``"tt"``.
+    A format you name is kept.
+    ``format`` is ``"cola"`` (``silu(x U) V``, the format that pays in pretraining),
+    ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
     parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
     fastest per row, least accurate at high compression). ``autotune=True`` times the best
@@ -199,8 +202,8 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
     autotune, objective, device, fuse = (config.autotune, config.objective, config.device,
                                          config.fuse)
     layer_format, compile_result = config.format, config.compile
-    if layer_format is None:  # pretrained weights seen at work: each layer's own format
-        layer_format = AUTO if init == "dense" and example_inputs is not None else TT
+    if layer_format is None:
+        layer_format = default_format(init, example_inputs is not None)
     budget = parse_budget(budget)
     target = model if inplace else copy.deepcopy(model)
     attentions = split_attention(target)  # its projections become ordinary Linear layers
@@ -231,17 +234,13 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
             "either, so pass example_inputs or make the model traceable"
         )
     before = _totals(target, shapes.total_macs if shapes else None)
-    options, skipped = eligible_options(
-        candidates,
-        shapes.layers if shapes else None,
-        called,
-        include,
-        exclude,
-        filter_fn,
-        layer_config,
-        ALLOCATED_AS if layer_format == AUTO else layer_format,
-        max_rank,
-    )
+
+    def options_in(fmt: str) -> tuple[list, dict]:
+        return eligible_options(candidates, shapes.layers if shapes else None, called,
+                                include, exclude, filter_fn, layer_config,
+                                ALLOCATED_AS if fmt == AUTO else fmt, max_rank)
+
+    options, skipped = options_in(layer_format)
     weights = grams = None
     if init == "dense" and on_meta(target):
         raise ValueError(
@@ -252,7 +251,17 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         weights = output_weights(target, example_inputs, [o.cand for o in options])
     if init == "dense" and example_inputs is not None:
         grams = input_grams(target, example_inputs, [o.cand for o in options])
-    selection = select_layers(options, skipped, budget, before, max_rank, init, weights, grams)
+    try:
+        selection = select_layers(options, skipped, budget, before, max_rank, init, weights,
+                                  grams)
+    except BudgetUnreachable:
+        if config.format is not None or layer_format == TT:
+            raise
+        # the default format's rank-1 floor is above the budget: TT compresses further
+        layer_format = TT
+        options, skipped = options_in(TT)
+        selection = select_layers(options, skipped, budget, before, max_rank, init, weights,
+                                  grams)
     if layer_format == AUTO and grams:
         configured = check_layer_config(layer_config)
         keep = {o.cand.name for o in options
@@ -285,6 +294,20 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         compile_model(target, config.compile_options, inplace=True,
                       measure=compile_result is True)
     return target
+
+
+def default_format(init: str, has_examples: bool) -> str:
+    """The format ``format=None`` means.
+
+    From scratch (``init="random"``): CoLA, low rank with SiLU on the bond, the format that
+    pays in pretraining (it matches a dense model of equal parameters where TT and plain low
+    rank trail it: ``benchmarks/pretrain.py``). Pretrained weights seen at work
+    (``init="dense"`` with example inputs): each layer's own format by output error. Pretrained
+    weights alone: TT, whose SVD start is exact at full rank.
+    """
+    if init == "random":
+        return COLA
+    return AUTO if has_examples else TT
 
 
 def _returned(model: nn.Module, graph_exact: str) -> str:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from comera_compile import __version__
+from comera_compile.passes.choose import AUTO
+from comera_compile.passes.specs import LINEAR_FORMATS
 from comera_compile.specs import BUILTIN
 
 DESCRIPTION = """\
@@ -25,6 +27,8 @@ Compress a PyTorch model into tensor-train (TT/TTM) layers and inspect the resul
 A model SPEC is a built-in name or module:factory, where factory() returns a model or
 (model, example_inputs); the module is looked up from the current directory first,
 as `python -m` does."""
+
+FORMAT_CHOICES = (*LINEAR_FORMATS, AUTO)
 
 BUDGET_FORMS = (
     "a parameter count (100000), a fraction of the parameters to keep (0.05 or 5%), "
@@ -128,8 +132,9 @@ def check_output_dir(path: str) -> None:
             return
 
 
-def _tensorized(spec: str, budget):
-    """The model ``spec`` names, optimized under ``budget`` unless it is tensorized already."""
+def _tensorized(spec: str, budget, layer_format: str | None = None):
+    """The model ``spec`` names, optimized under ``budget`` (in ``layer_format``; None: the
+    default) unless it is tensorized already."""
     from comera_compile.api import optimize
     from comera_compile.nn import tensorized_layers
     from comera_compile.specs import load_spec
@@ -142,8 +147,8 @@ def _tensorized(spec: str, budget):
     loaded = load_spec(spec)
     if tensorized_layers(loaded.model):
         return loaded.model
-    return optimize(loaded.model, budget, example_inputs=loaded.example_inputs or None,
-                    compile=False)
+    return optimize(loaded.model, budget, format=layer_format,
+                    example_inputs=loaded.example_inputs or None, compile=False)
 
 
 def _cmd_plans(args: argparse.Namespace) -> None:
@@ -151,7 +156,7 @@ def _cmd_plans(args: argparse.Namespace) -> None:
 
     if args.json:
         check_output_file(args.json)
-    report = plans(_tensorized(args.spec, args.budget), batch_sizes=args.batch_sizes)
+    report = plans(_tensorized(args.spec, args.budget, args.format), batch_sizes=args.batch_sizes)
     print(report)
     if args.json:
         report.to_json(args.json)
@@ -161,7 +166,7 @@ def _cmd_plans(args: argparse.Namespace) -> None:
 def _cmd_summary(args: argparse.Namespace) -> None:
     from comera_compile.api import summary
 
-    print(summary(_tensorized(args.spec, args.budget)))
+    print(summary(_tensorized(args.spec, args.budget, args.format)))
 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
@@ -178,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     spec_help = f"a built-in model ({', '.join(sorted(BUILTIN))}) or module:factory"
     budget_help = f"size limit if SPEC is not tensorized yet: {BUDGET_FORMS}".replace("%", "%%")
+    format_help = ("layer format if SPEC is not tensorized yet (default: cola from scratch, "
+                   "as optimize's format=None)")
 
     p = sub.add_parser("plans", help="the contraction plan of every tensorized layer",
                        description="Print the contraction order each tensorized layer runs at "
@@ -187,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated numbers of rows to plan for")
     p.add_argument("--json", metavar="FILE", help="also write the records as JSON to FILE")
     p.add_argument("--budget", type=parse_budget_arg, default="0.05", help=budget_help)
+    p.add_argument("--format", choices=FORMAT_CHOICES, default=None, help=format_help)
     p.set_defaults(func=_cmd_plans)
 
     p = sub.add_parser("summary", help="per-layer formats, modes, ranks, parameters, MACs",
@@ -194,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "one row per layer.", formatter_class=_Help)
     p.add_argument("spec", metavar="SPEC", help=spec_help)
     p.add_argument("--budget", type=parse_budget_arg, default="0.05", help=budget_help)
+    p.add_argument("--format", choices=FORMAT_CHOICES, default=None, help=format_help)
     p.set_defaults(func=_cmd_summary)
 
     p = sub.add_parser("demo", help="train a small transformer dense and compressed, compare",

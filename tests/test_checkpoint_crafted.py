@@ -37,7 +37,7 @@ class Saved:
 
     def __init__(self, root: str) -> None:
         torch.manual_seed(0)
-        model = cc.optimize(dense(), 0.5, compile=False)
+        model = cc.optimize(dense(), 0.5, format="tt", compile=False)
         self.directory = os.path.join(root, "ckpt")
         cc.save(model, self.directory)
         with torch.no_grad():

@@ -64,7 +64,10 @@ def _assert_no_pickle(directory):
     for name in os.listdir(directory):
         assert name.endswith((".json", ".safetensors")), name
         with open(os.path.join(directory, name), "rb") as f:
-            assert f.read(1) != b"\x80", f"{name} starts like a pickle"
+            head = f.read(9)
+        # safetensors: an 8-byte header length, then the JSON header; JSON: an object
+        first = head[8:9] if name.endswith(".safetensors") else head[:1]
+        assert first == b"{", f"{name} is not safetensors or JSON (it starts {head!r})"
 
 
 def _round_trip(build, inputs, loss_fn, budget, tmp_path, hf):

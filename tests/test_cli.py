@@ -14,7 +14,11 @@ from comera_compile.cli import main, parse_budget_arg
 def test_summary_prints_the_layer_table(capsys):
     assert main(["summary", "mlp", "--budget", "0.2"]) == 0
     out = capsys.readouterr().out
-    assert " tt " in out
+    assert " cola " in out  # from scratch: the default format
+    assert "smaller" in out
+    assert main(["summary", "mlp", "--budget", "0.2", "--format", "tt"]) == 0
+    out = capsys.readouterr().out
+    assert " tt " in out and " cola " not in out
     assert "smaller" in out
 
 
@@ -89,7 +93,7 @@ def test_factory_in_the_current_directory_is_found(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "mymodels_cwd", raising=False)
     assert main(["summary", "mymodels_cwd:make_model", "--budget", "0.2"]) == 0
-    assert " tt " in capsys.readouterr().out
+    assert " cola " in capsys.readouterr().out
 
 
 def test_builtin_spec_never_puts_the_current_directory_on_the_path(tmp_path, monkeypatch):

@@ -166,7 +166,7 @@ def test_six_encoder_full_size_spends_the_ratio_budget():
     torch.manual_seed(0)
     model = SixEncoderClassifier()
     dense = n_params(model)
-    result = cc.optimize(model, cc.Budget(ratio=40), compile=False)
+    result = cc.optimize(model, cc.Budget(ratio=40), format="tt", compile=False)  # the paper's
     ours, reference = n_params(result), n_params(reference_tensorized())
     assert 0.95 * dense / 40 <= ours <= dense / 40  # the budget is spent, not undershot
     assert reference <= dense / 40  # the paper's factorization fits the same budget
@@ -224,7 +224,7 @@ def test_load_into_fresh_model_resizes_ranks(tmp_path):
 
 
 def test_load_into_model_of_other_modes_names_both_layouts(tmp_path):
-    cc.save(cc.optimize(MLP(), 0.3, compile=False), tmp_path)
+    cc.save(cc.optimize(MLP(), 0.3, format="tt", compile=False), tmp_path)
     other = cc.optimize(MLP(), 0.3, format="ttm", compile=False)
     with pytest.raises(
         LayoutMismatchError,
@@ -256,8 +256,30 @@ def test_random_init_starts_at_the_scale_of_the_weights_it_replaces():
     assert swapped
     for name, layer in swapped:
         dense = base.get_submodule(name).weight
-        rms = float(layer.to_dense().square().mean().sqrt())
+        linear_part = getattr(layer, "output_scale", None)  # CoLA: U V, silu aside
+        rms = linear_part() if linear_part else float(layer.to_dense().square().mean().sqrt())
         assert rms == pytest.approx(float(dense.square().mean().sqrt()), rel=1e-3), name
     with torch.no_grad():
         ours, theirs = model(ids).logits.std(), base.eval()(ids).logits.std()
     assert 0.5 < float(ours / theirs) < 2.0
+
+
+# ----- the default format -----------------------------------------------------------------------
+def test_default_format_is_cola_from_scratch_and_tt_where_cola_cannot_reach_the_budget():
+    """From scratch the default is CoLA (it pays in pretraining); a budget below CoLA's
+    rank-1 floor falls back to TT, which compresses further; a layer_config entry that
+    describes a chain (several modes, or an order) is a TT layer; a pretrained start
+    without example inputs is TT (its SVD start is exact at full rank)."""
+    torch.manual_seed(0)
+    formats = {r["format"] for r in cc.summary(cc.optimize(MLP(), 0.2, compile=False)).records}
+    assert formats == {"cola"}
+    tiny = cc.optimize(MLP(), cc.Budget(ratio=65), compile=False)
+    assert {r["format"] for r in cc.summary(tiny).records} == {"tt"}
+    assert n_params(tiny) <= n_params(MLP()) / 65
+    with pytest.raises(ValueError, match="no choice of layers meets"):
+        cc.optimize(MLP(), cc.Budget(ratio=65), format="cola", compile=False)
+    chained = cc.optimize(MLP(), 0.2, compile=False, layer_config={"net.0": {"order": 2}})
+    records = {r["name"]: r["format"] for r in cc.summary(chained).records}
+    assert records["net.0"] == "tt" and records["net.2"] == "cola"
+    pretrained = cc.optimize(MLP(), 0.2, init="dense", compile=False)
+    assert {r["format"] for r in cc.summary(pretrained).records} == {"tt"}

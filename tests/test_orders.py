@@ -148,7 +148,7 @@ def test_order_choice_follows_the_cost_model(monkeypatch):
 
 def test_optimize_reports_the_order_and_layer_config_overrides_it():
     x = torch.randn(512, 64)
-    model = cc.optimize(_mlp(), example_inputs=x, compile=False, max_rank=30,
+    model = cc.optimize(_mlp(), format="tt", example_inputs=x, compile=False, max_rank=30,
                         layer_config={"2": {"order": 3}})
     auto, forced = model.get_submodule("0"), model.get_submodule("2")
     assert len(forced.in_modes) == 3

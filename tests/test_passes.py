@@ -8,7 +8,12 @@ from torch import nn
 
 import comera_compile.api as cc
 from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
-from comera_compile.nn import SplitMultiheadAttention, TTEmbedding, TTLinear, TTMLinear
+from comera_compile.nn import (
+    SplitMultiheadAttention,
+    TTEmbedding,
+    TTLinear,
+    TTMLinear,
+)
 from comera_compile.passes import (
     Budget,
     capture,
@@ -237,7 +242,7 @@ def test_transformer_encoder_eval_fast_path_is_skipped(budget):
     x = torch.randn(2, 5, 64)
     mask = torch.zeros(2, 5, dtype=torch.bool)
     mask[1, 3:] = True
-    model = cc.optimize(enc, budget, example_inputs=x, compile=False).eval()
+    model = cc.optimize(enc, budget, format="tt", example_inputs=x, compile=False).eval()
     assert isinstance(model.layers[0].linear1, TTLinear)
     attention = type(model.layers[0].self_attn)
     assert attention is (SplitMultiheadAttention if budget < 0.5 else nn.MultiheadAttention)
@@ -255,7 +260,8 @@ def test_transformer_encoder_eval_fast_path_is_skipped(budget):
 
 # ----- report -----------------------------------------------------------------------------------
 def test_summary_records_and_table():
-    model = cc.optimize(MLP(), 0.2, example_inputs=torch.randn(4, 256), compile=False)
+    model = cc.optimize(MLP(), 0.2, format="tt", example_inputs=torch.randn(4, 256),
+                        compile=False)
     report = cc.summary(model)
     first = report.records[0]
     assert first["name"] == "net.0" and first["original"] == "Linear(256, 512)"

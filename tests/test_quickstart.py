@@ -32,7 +32,7 @@ def test_the_quickstart_runs_and_prints_the_shape_the_readme_names():
     assert re.fullmatch(pattern, last), (pattern, last)
     dense, small = (int(v.replace(",", "")) for v in re.findall(r"[\d,]{4,}", last)[-2:])
     assert small < dense / 5  # a tenth of the parameters, and less after the cuts
-    assert "tt" in out and "left dense" in out  # the summary table came first
+    assert "cola" in out and "left dense" in out  # the summary table came first
 
 
 def test_every_results_table_in_the_readme_is_a_results_file_verbatim():

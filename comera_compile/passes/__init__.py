@@ -22,6 +22,7 @@ from comera_compile.passes.report import (
 from comera_compile.passes.rewrite import build_layer, check_init, rewrite
 from comera_compile.passes.select import (
     DEFAULT_MAX_RANK,
+    BudgetUnreachable,
     Selection,
     eligible_options,
     select_layers,
@@ -63,6 +64,7 @@ __all__ = [
     "restore_untouched",
     "rewrite",
     "select_layers",
+    "BudgetUnreachable",
     "split_attention",
     "summary",
     "ALLOCATED_AS",

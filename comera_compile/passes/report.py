@@ -200,9 +200,9 @@ def summary(model: nn.Module) -> Summary:
 
 
 FROM_SCRATCH_ADVICE = (
-    "training from scratch (init='random'): format='cola' (low rank with SiLU on the bond) "
-    "is the format that matches a dense model of equal parameters in the pretraining race "
-    "(benchmarks/pretrain.py); TT and low rank trail it there"
+    "training from scratch (init='random'): the default format, 'cola' (low rank with SiLU "
+    "on the bond), is the one that matches a dense model of equal parameters in the "
+    "pretraining race (benchmarks/pretrain.py); TT and low rank trail it there"
 )
 
 

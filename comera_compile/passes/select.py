@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from comera_compile.formats import LOWRANK, TT_EMBEDDING, chain_layout
+from comera_compile.formats import COLA, LOWRANK, TT_EMBEDDING, chain_layout
 from comera_compile.passes.allocate import (
     MIN_COMPRESSION,
     LayerPlan,
@@ -120,11 +120,23 @@ def _format_for(cand: Candidate, requested: str | None, default: str, name: str)
     return fmt
 
 
+def _chained(cfg: dict[str, Any], keys: tuple[str, str]) -> bool:
+    """Whether a layer_config entry describes a chain: several modes, ranks, or an order."""
+    modes = [cfg.get(k) for k in keys]
+    ranks = cfg.get("ranks")
+    order = cfg.get("order")
+    return any(isinstance(m, (list, tuple)) and len(m) > 1 for m in modes) or (
+        isinstance(ranks, (list, tuple)) and len(ranks) > 1) or (
+        isinstance(order, int) and order > 1)
+
+
 def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str) -> _Option:
     """An option from layer_config, checked by computing the layer's layout."""
-    fmt = _format_for(cand, cfg.get("format"), default_fmt, cand.name)
     keys = ("row_modes", "col_modes") if cand.is_embedding else ("in_modes", "out_modes")
     in_modes, out_modes = cfg.get(keys[0]), cfg.get(keys[1])
+    if cfg.get("format") is None and default_fmt in (LOWRANK, COLA) and _chained(cfg, keys):
+        default_fmt = TT  # modes or ranks of a chain describe a TT layer
+    fmt = _format_for(cand, cfg.get("format"), default_fmt, cand.name)
     ranks = cfg.get("ranks", 1)
     try:
         chain = chain_layout(fmt, cand.in_features, cand.out_features, ranks, in_modes,
@@ -225,6 +237,10 @@ def eligible_options(
     return options, skipped
 
 
+class BudgetUnreachable(ValueError):
+    """No choice of layers and ranks in the requested format meets the budget."""
+
+
 def _unreachable(budget: Budget, before: dict, smallest: dict, limits: dict) -> ValueError:
     share = smallest["params"] / before["params"]
     parts = [f"{smallest['params']:,} parameters ({share:.1%} of the model)"]
@@ -232,7 +248,7 @@ def _unreachable(budget: Budget, before: dict, smallest: dict, limits: dict) -> 
         parts.append(f"{smallest['bytes']:,} bytes")
     if "macs" in limits:
         parts.append(f"{smallest['macs']:,} multiply-adds")
-    return ValueError(
+    return BudgetUnreachable(
         f"no choice of layers meets {budget}: smallest reachable: {', '.join(parts)} with every "
         "eligible layer at rank 1; raise the budget or include more layers"
     )
