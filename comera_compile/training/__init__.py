@@ -25,6 +25,16 @@ from comera_compile.training.size import (
 )
 from comera_compile.training.trainer import RankAdaptiveTrainer
 
+try:  # FSDP2 needs torch.distributed, absent from some builds
+    from comera_compile.training.sharded import (
+        cut_to_checkpoint,
+        full_state_dict,
+        prune_sharded,
+        shard,
+    )
+except ImportError:  # pragma: no cover
+    pass
+
 __all__ = [
     "BudgetSchedule",
     "EARLY",
@@ -35,10 +45,12 @@ __all__ = [
     "PrunableDDP",
     "RankAdaptiveTrainer",
     "core_l2",
+    "cut_to_checkpoint",
     "distill",
     "distill_loss",
     "effective_ranks_by_layer",
     "fit_layers",
+    "full_state_dict",
     "keep_min_rank",
     "late_stage_loss",
     "model_size",
@@ -46,7 +58,9 @@ __all__ = [
     "plot_compression",
     "plot_ranks",
     "prune_model",
+    "prune_sharded",
     "rank_penalty",
+    "shard",
     "size_weight",
     "slice_optimizer_state",
     "soft_size",

