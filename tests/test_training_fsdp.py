@@ -18,15 +18,14 @@ from comera_compile.training import (
     RankAdaptiveTrainer,
     cut_to_checkpoint,
     full_state_dict,
+    load_checkpoint,
     param_groups,
+    save_checkpoint,
     shard,
 )
-from comera_compile.training.bank import GateBank
+from comera_compile.training import sharded as sharded_module
 
 transformers = pytest.importorskip("transformers")
-dcp = pytest.importorskip("torch.distributed.checkpoint")
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 STEPS = 14
 WORLD = 2
@@ -142,3 +141,119 @@ def test_two_process_fsdp_with_pruning_equals_one_process_on_the_whole_batch(tmp
     torch.testing.assert_close(ranks[0]["losses"], losses, rtol=1e-5, atol=1e-6)
     for r in range(WORLD):
         assert_state_close(ranks[r]["state"], single.state_dict())
+
+
+SAVE_AT = 7  # after the prunes at the late stage's start (step 4) and at step 6
+
+
+def _resume_worker(rank, path):
+    _init(rank, path)
+    try:
+        tokens = my_half(rank)
+        model = shard(small_llama())
+        opt, trainer = make_trainer(model)
+        run(model, opt, trainer, tokens, STEPS)
+        straight = full_state_dict(model, cpu_offload=False)
+        straight_losses = trainer.history.column("task_loss")
+
+        model = shard(small_llama())
+        opt, trainer = make_trainer(model)
+        run(model, opt, trainer, tokens, SAVE_AT)
+        saved_ranks, saved_cuts = ranks_of(model), trainer.cuts
+        save_checkpoint(f"{path}/checkpoint", model, opt, trainer)
+        del model, opt, trainer
+
+        model = small_llama()
+        changed = cut_to_checkpoint(model, f"{path}/checkpoint")
+        cut_ranks = ranks_of(model)
+        shard(model)
+        opt, trainer = make_trainer(model)
+        load_checkpoint(f"{path}/checkpoint", model, opt, trainer)
+        assert trainer.steps == SAVE_AT
+        run(model, opt, trainer, tokens, STEPS - SAVE_AT)
+        torch.save(
+            {
+                "straight": straight,
+                "straight_losses": straight_losses,
+                "resumed": full_state_dict(model, cpu_offload=False),
+                "resumed_losses": trainer.history.column("task_loss"),
+                "saved_ranks": saved_ranks,
+                "saved_cuts": saved_cuts,
+                "cut_ranks": cut_ranks,
+                "changed": changed,
+            },
+            f"{path}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_after_a_prune_resumes_as_the_uninterrupted_run(tmp_path):
+    ranks = _spawn(_resume_worker, tmp_path)
+    fresh = ranks_of(small_llama())
+    for got in ranks:
+        assert got["saved_cuts"] >= 1 and got["saved_ranks"] != fresh  # saved after a prune
+        assert got["cut_ranks"] == got["saved_ranks"] and got["changed"] > 0
+        assert got["resumed_losses"] == got["straight_losses"]  # history carried over
+        assert_state_close(got["resumed"], got["straight"])
+    assert_state_close(ranks[1]["resumed"], ranks[0]["resumed"])
+
+
+def _kill_channels(model):
+    """The same dead channels on every rank, in the root's group (lm_head) and a block's."""
+    for name in ("lm_head", "model.layers.1.self_attn.q_proj"):
+        model.get_submodule(name).gates[0].data[:2] = 0.0
+
+
+def _error_worker(rank, path, case):
+    _init(rank, path, seconds=5)
+    started = time.monotonic()
+    try:
+        model = shard(small_llama())
+        opt, trainer = make_trainer(model)
+        run(model, opt, trainer, my_half(rank), 2)
+        _kill_channels(model)
+        if case == "gates differ" and rank == 1:
+            trainer.bank.gates[0].data[-1] += 0.5
+        if case == "rank fails" and rank == 1:
+
+            def fail(layer, optimizer):
+                raise RuntimeError("injected failure mid-prune")
+
+            sharded_module.prune_layer = fail
+        try:
+            trainer.prune()
+            outcome = "pruned"
+        except RuntimeError as exc:
+            outcome = str(exc)
+        torch.save(
+            {"error": outcome, "seconds": time.monotonic() - started},
+            f"{path}/rank{rank}.pt",
+        )
+        if case == "rank fails" and rank == 1:  # stay alive, silent: rank 0 must time out
+            while not os.path.exists(f"{path}/rank0.pt"):
+                time.sleep(0.1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_gates_that_differ_between_ranks_raise_on_every_rank(tmp_path):
+    ranks = _spawn(_error_worker, tmp_path, "gates differ")
+    for got in ranks:
+        assert "rank gates differ from rank 0's on 1 of 2 ranks" in got["error"]
+    assert "rank 1: differs" in ranks[1]["error"] and "rank 0: same" in ranks[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_rank_failing_mid_prune_is_an_error_on_the_others_not_a_hang(tmp_path):
+    started = time.monotonic()
+    ranks = _spawn(_error_worker, tmp_path, "rank fails")
+    assert "sharded prune failed on rank 1" in ranks[1]["error"]
+    assert "injected failure mid-prune" in ranks[1]["error"]
+    # rank 0 went on to the next group's gather: its collective timed out, no endless wait
+    assert "sharded prune failed on rank 0 in FSDP group 'model.layers.1'" in ranks[0]["error"]
+    assert "timed out" in ranks[0]["error"].lower()
+    assert ranks[0]["seconds"] < 30
+    assert time.monotonic() - started < 60

@@ -29,7 +29,9 @@ try:  # FSDP2 needs torch.distributed, absent from some builds
     from comera_compile.training.sharded import (
         cut_to_checkpoint,
         full_state_dict,
+        load_checkpoint,
         prune_sharded,
+        save_checkpoint,
         shard,
     )
 except ImportError:  # pragma: no cover
@@ -53,6 +55,7 @@ __all__ = [
     "full_state_dict",
     "keep_min_rank",
     "late_stage_loss",
+    "load_checkpoint",
     "model_size",
     "param_groups",
     "plot_compression",
@@ -60,6 +63,7 @@ __all__ = [
     "prune_model",
     "prune_sharded",
     "rank_penalty",
+    "save_checkpoint",
     "shard",
     "size_weight",
     "slice_optimizer_state",

@@ -20,11 +20,12 @@ parameter's shape, so the re-shard rebuilds the group's list of ``FSDPParam`` wi
 own constructor and keeps the group object (its hooks, streams and settings). That uses
 FSDP2 internals, checked against torch 2.13 by ``tests/test_training_fsdp.py``.
 
-Checkpoints: ``torch.distributed.checkpoint`` with ``get_state_dict`` / ``set_state_dict``
-saves a sharded, pruned model; every tensorized layer's layout (its ranks after pruning)
-rides in the state dict as its ``_extra_state``, as in ``comera_compile.save``. To resume,
-``cut_to_checkpoint(model, path)`` first cuts the fresh model to the saved ranks, then
-shard it, build the optimizer and load. For ``comera_compile.save``, gather the state with
+Checkpoints: ``save_checkpoint`` writes model, optimizer and trainer with
+``torch.distributed.checkpoint`` (``get_state_dict``: each rank writes its shards); every
+tensorized layer's layout (its ranks after pruning) rides in the model's state dict as its
+``_extra_state``, as in ``comera_compile.save``. To resume, ``cut_to_checkpoint`` cuts the
+freshly built model to the saved ranks, then shard it, build the optimizer and trainer,
+and ``load_checkpoint``. For ``comera_compile.save``, gather the state with
 ``full_state_dict`` and load it into an unsharded model of the same build.
 
 Only 1-D meshes (plain FSDP) are handled, and the gates' device is the mesh's.
@@ -32,6 +33,7 @@ Only 1-D meshes (plain FSDP) are handled, and the gates' device is the mesh's.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -53,7 +55,9 @@ __all__ = [
     "full_state_dict",
     "gates_of",
     "is_sharded",
+    "load_checkpoint",
     "prune_sharded",
+    "save_checkpoint",
     "shard",
 ]
 
@@ -224,7 +228,9 @@ def _gather(group: Any, optimizer: torch.optim.Optimizer | None) -> list[nn.Para
     return list(moves.values())
 
 
-def _reshard(group: Any, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None) -> None:
+def _reshard(
+    group: Any, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None
+) -> None:
     """Shard the group again at the parameters' new shapes, keeping the group object."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import _get_param_module_infos
@@ -260,12 +266,21 @@ def prune_sharded(
         mine = {n: lay for n, lay in layers.items() if _holds(group, lay)}
         if not mine:
             continue
-        params = _gather(group, optimizer)
-        for name, layer in mine.items():
-            result = prune_layer(layer, optimizer)
-            if result:
-                results[name] = result
-        _reshard(group, params, optimizer)
+        try:
+            params = _gather(group, optimizer)
+            for name, layer in mine.items():
+                result = prune_layer(layer, optimizer)
+                if result:
+                    results[name] = result
+            _reshard(group, params, optimizer)
+        except Exception as exc:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise RuntimeError(
+                f"sharded prune failed on rank {rank} in FSDP group {group._module_fqn!r} "
+                f"({type(exc).__name__}: {exc}); a collective that times out means another "
+                "rank failed or left the prune. The model is now partly pruned: resume from "
+                "the last checkpoint"
+            ) from exc
     return results
 
 
@@ -307,3 +322,54 @@ def cut_to_checkpoint(model: nn.Module, checkpoint_id: str, prefix: str = "model
         layer._adopt_layout(decode_layout(value))
         changed += layer.ranks != before
     return changed
+
+
+def _checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def save_checkpoint(
+    checkpoint_id: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer: Any | None = None,
+) -> None:
+    """Save a sharded model, its optimizer and the trainer's state (stage, schedule,
+    history) to a ``torch.distributed.checkpoint`` directory. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _checkpoint_state(model, optimizer)
+    if trainer is not None:  # nested lists of any length: stored whole, as one object
+        buffer = io.BytesIO()
+        torch.save(trainer.state_dict(), buffer)
+        buffer.seek(0)
+        state["trainer"] = buffer
+    dcp.save(state, checkpoint_id=checkpoint_id)
+
+
+def load_checkpoint(
+    checkpoint_id: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer: Any | None = None,
+) -> None:
+    """Resume from ``save_checkpoint``: ``model`` was cut to the saved ranks
+    (``cut_to_checkpoint``) and sharded, ``optimizer`` and ``trainer`` built on it.
+    Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _checkpoint_state(model, optimizer)
+    if trainer is not None:
+        state["trainer"] = io.BytesIO()
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    if trainer is not None:
+        buffer = state["trainer"]
+        buffer.seek(0)
+        trainer.load_state_dict(torch.load(buffer, weights_only=True))
