@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
 
 import comera_compile as cc
+from comera_compile.nn.base import decode_layout
 from comera_compile.training import (
     RankAdaptiveTrainer,
     cut_to_checkpoint,
@@ -50,7 +52,8 @@ def full_batch():
 def make_trainer(model):
     opt = torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-2, lr_rest=1e-2))
     trainer = RankAdaptiveTrainer(
-        model, opt, early_steps=4, prune_every=3, target_ratio=0.5, total_steps=STEPS
+        model, opt, early_steps=4, prune_every=3, target_ratio=0.5, total_steps=STEPS,
+        l2_weight=1e-3,
     )
     return opt, trainer
 
@@ -171,6 +174,11 @@ def _resume_worker(rank, path):
         load_checkpoint(f"{path}/checkpoint", model, opt, trainer)
         assert trainer.steps == SAVE_AT
         run(model, opt, trainer, tokens, STEPS - SAVE_AT)
+        gathered = full_state_dict(model)  # rank 0 only, on the CPU
+        if rank == 0:  # cc.save from the gathered state: an unsharded model of the same build
+            plain = small_llama()
+            plain.load_state_dict(gathered)  # cuts its layers to the pruned ranks
+            cc.save(plain, f"{path}/saved")
         torch.save(
             {
                 "straight": straight,
@@ -198,6 +206,33 @@ def test_a_sharded_checkpoint_after_a_prune_resumes_as_the_uninterrupted_run(tmp
         assert got["resumed_losses"] == got["straight_losses"]  # history carried over
         assert_state_close(got["resumed"], got["straight"])
     assert_state_close(ranks[1]["resumed"], ranks[0]["resumed"])
+    loaded = cc.load(tmp_path / "saved")  # a Hugging Face LLaMA rebuilt from config.json
+    assert ranks_of(loaded) == ranks_of_state(ranks[0]["resumed"])
+    assert_state_close(loaded.state_dict(), ranks[0]["resumed"])
+
+
+def ranks_of_state(state):
+    return {
+        key.removesuffix("._extra_state"): decode_layout(value)["ranks"]
+        for key, value in state.items()
+        if key.endswith("._extra_state")
+    }
+
+
+def test_fully_shard_without_shard_is_refused_by_the_trainer(tmp_path):
+    """Sharded gates would turn every step's bookkeeping into collectives: the trainer
+    asks for shard(), which keeps them whole (one process, world size 1)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = small_llama()
+        fully_shard(model)
+        with pytest.raises(ValueError, match="training.shard"):
+            make_trainer(model)
+        with pytest.raises(ValueError, match="already sharded"):
+            shard(model)
+    finally:
+        dist.destroy_process_group()
 
 
 def _kill_channels(model):
