@@ -49,8 +49,11 @@ def full_batch():
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
 
 
-def make_trainer(model):
-    opt = torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-2, lr_rest=1e-2))
+def make_trainer(model, structured=False):
+    """``structured``: each core's rate from its fan-in, which pruning changes, so a fresh
+    optimizer on a cut model groups the cores differently from the saved one."""
+    rates = {"lr": 1e-2} if structured else {"lr_cores": 1e-2, "lr_gates": 1e-2, "lr_rest": 1e-2}
+    opt = torch.optim.AdamW(param_groups(model, **rates))
     trainer = RankAdaptiveTrainer(
         model, opt, early_steps=4, prune_every=3, target_ratio=0.5, total_steps=STEPS,
         l2_weight=1e-3,
@@ -154,15 +157,16 @@ def _resume_worker(rank, path):
     try:
         tokens = my_half(rank)
         model = shard(small_llama())
-        opt, trainer = make_trainer(model)
+        opt, trainer = make_trainer(model, structured=True)
         run(model, opt, trainer, tokens, STEPS)
         straight = full_state_dict(model, cpu_offload=False)
         straight_losses = trainer.history.column("task_loss")
 
         model = shard(small_llama())
-        opt, trainer = make_trainer(model)
+        opt, trainer = make_trainer(model, structured=True)
         run(model, opt, trainer, tokens, SAVE_AT)
         saved_ranks, saved_cuts = ranks_of(model), trainer.cuts
+        saved_groups = len(opt.param_groups)
         save_checkpoint(f"{path}/checkpoint", model, opt, trainer)
         del model, opt, trainer
 
@@ -170,8 +174,10 @@ def _resume_worker(rank, path):
         changed = cut_to_checkpoint(model, f"{path}/checkpoint")
         cut_ranks = ranks_of(model)
         shard(model)
-        opt, trainer = make_trainer(model)
+        opt, trainer = make_trainer(model, structured=True)
+        fresh_groups = len(opt.param_groups)
         load_checkpoint(f"{path}/checkpoint", model, opt, trainer)
+        regrouped = len(opt.param_groups)
         assert trainer.steps == SAVE_AT
         run(model, opt, trainer, tokens, STEPS - SAVE_AT)
         gathered = full_state_dict(model)  # rank 0 only, on the CPU
@@ -189,6 +195,7 @@ def _resume_worker(rank, path):
                 "saved_cuts": saved_cuts,
                 "cut_ranks": cut_ranks,
                 "changed": changed,
+                "groups": (saved_groups, fresh_groups, regrouped),
             },
             f"{path}/rank{rank}.pt",
         )
@@ -204,6 +211,8 @@ def test_a_sharded_checkpoint_after_a_prune_resumes_as_the_uninterrupted_run(tmp
         assert got["saved_cuts"] >= 1 and got["saved_ranks"] != fresh  # saved after a prune
         assert got["cut_ranks"] == got["saved_ranks"] and got["changed"] > 0
         assert got["resumed_losses"] == got["straight_losses"]  # history carried over
+        saved, fresh_groups, regrouped = got["groups"]
+        assert fresh_groups != saved == regrouped  # the optimizer was regrouped as saved
         assert_state_close(got["resumed"], got["straight"])
     assert_state_close(ranks[1]["resumed"], ranks[0]["resumed"])
     loaded = cc.load(tmp_path / "saved")  # a Hugging Face LLaMA rebuilt from config.json

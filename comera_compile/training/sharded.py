@@ -331,22 +331,64 @@ def _checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return {"model": model_state, "optim": optim_state}
 
 
+def _blob(value: Any) -> io.BytesIO:
+    """Nested lists of any length, stored whole as one object (the checkpoint's loader
+    fills only entries whose structure it already knows)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def _unblob(buffer: io.BytesIO) -> Any:
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _group_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups with parameter names for parameters."""
+    names = {p: n for n, p in model.named_parameters()}
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+
+
+def _adopt_group_layout(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]
+) -> None:
+    """Regroup ``optimizer`` as it was saved. ``param_groups(model, lr=...)`` sets each
+    core's rate from its fan-in, which pruning changes, so a fresh optimizer on a cut
+    model can group differently from the one that was saved."""
+    params = dict(model.named_parameters())
+    mine = sorted(n for g in _group_layout(model, optimizer) for n in g["params"])
+    theirs = sorted(n for g in saved for n in g["params"])
+    if mine != theirs:
+        raise ValueError(
+            "the checkpoint's optimizer holds other parameters than this optimizer "
+            f"({len(theirs)} saved, {len(mine)} here); build the optimizer over the same "
+            "parameters (the same requires_grad settings) as the run that saved"
+        )
+    optimizer.param_groups.clear()
+    for group in saved:
+        optimizer.add_param_group({**group, "params": [params[n] for n in group["params"]]})
+
+
 def save_checkpoint(
     checkpoint_id: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer: Any | None = None,
 ) -> None:
-    """Save a sharded model, its optimizer and the trainer's state (stage, schedule,
-    history) to a ``torch.distributed.checkpoint`` directory. Collective."""
+    """Save a sharded model, its optimizer (state and groups) and the trainer's state
+    (stage, schedule, history) to a ``torch.distributed.checkpoint`` directory.
+    Collective."""
     import torch.distributed.checkpoint as dcp
 
     state = _checkpoint_state(model, optimizer)
-    if trainer is not None:  # nested lists of any length: stored whole, as one object
-        buffer = io.BytesIO()
-        torch.save(trainer.state_dict(), buffer)
-        buffer.seek(0)
-        state["trainer"] = buffer
+    state["param_groups"] = _blob(_group_layout(model, optimizer))
+    if trainer is not None:
+        state["trainer"] = _blob(trainer.state_dict())
     dcp.save(state, checkpoint_id=checkpoint_id)
 
 
@@ -357,11 +399,14 @@ def load_checkpoint(
     trainer: Any | None = None,
 ) -> None:
     """Resume from ``save_checkpoint``: ``model`` was cut to the saved ranks
-    (``cut_to_checkpoint``) and sharded, ``optimizer`` and ``trainer`` built on it.
-    Collective."""
+    (``cut_to_checkpoint``) and sharded, ``optimizer`` and ``trainer`` built on it. The
+    optimizer is regrouped as saved (rates included). Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    groups = {"param_groups": io.BytesIO()}
+    dcp.load(groups, checkpoint_id=checkpoint_id)
+    _adopt_group_layout(model, optimizer, _unblob(groups["param_groups"]))
     state = _checkpoint_state(model, optimizer)
     if trainer is not None:
         state["trainer"] = io.BytesIO()
@@ -370,6 +415,4 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     if trainer is not None:
-        buffer = state["trainer"]
-        buffer.seek(0)
-        trainer.load_state_dict(torch.load(buffer, weights_only=True))
+        trainer.load_state_dict(_unblob(state["trainer"]))
