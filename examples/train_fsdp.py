@@ -11,6 +11,7 @@ from it into a freshly built model, as a restart would.
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -36,26 +37,32 @@ def build() -> torch.nn.Module:
     return cc.optimize(LlamaForCausalLM(config), budget=0.6, compile=False)
 
 
+def batch(step: int, world: int) -> torch.Tensor:
+    """Counting sequences (start, start + stride, ...) mod 256: learnable next tokens."""
+    generator = torch.Generator().manual_seed(step)
+    start = torch.randint(0, 256, (8 * world, 1), generator=generator)
+    stride = torch.randint(1, 4, (8 * world, 1), generator=generator)
+    return (start + stride * torch.arange(32)) % 256
+
+
 def train(model, optimizer, trainer, steps, rank, world, device):
-    generator = torch.Generator().manual_seed(1234 + trainer.steps)
     for _ in range(steps):
-        tokens = torch.randint(0, 256, (8 * world, 32), generator=generator)
-        tokens = tokens.chunk(world)[rank].to(device)  # this rank's slice of the batch
+        tokens = batch(trainer.steps, world).chunk(world)[rank].to(device)  # this rank's slice
         loss = trainer.loss(model(input_ids=tokens, labels=tokens).loss)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         trainer.step()
-        if trainer.last_pruned and rank == 0:
-            kept = sum(sum(r[1:-1]) for r in trainer.history.column("ranks")[-1].values())
-            print(f"step {trainer.steps:4d}  {trainer.stage:5s}  loss {loss.item():.3f}  "
-                  f"size {trainer.size():,}  summed ranks {kept}  "
-                  f"(pruned {len(trainer.last_pruned)} layers)", flush=True)
+        if (trainer.last_pruned or trainer.steps % 10 == 0) and rank == 0:
+            q_proj = trainer.history.column("ranks")[-1]["model.layers.0.self_attn.q_proj"]
+            print(f"step {trainer.steps:3d}  {trainer.stage:5s}  loss {loss.item():.3f}  "
+                  f"size {trainer.size():,}  layers.0 q_proj ranks {q_proj}  "
+                  f"pruned {len(trainer.last_pruned)} layers", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -67,14 +74,16 @@ def main() -> None:
         torch.set_num_threads(1)
 
     def make(model):
-        optimizer = torch.optim.AdamW(param_groups(model, lr=3e-3))
-        trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.4, early_steps=10,
+        optimizer = torch.optim.AdamW(param_groups(model, lr=1e-2))
+        trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.5, early_steps=20,
                                       prune_every=10, total_steps=args.steps)
         return optimizer, trainer
 
     model = shard(build().to(device))  # each decoder layer, then the root
     optimizer, trainer = make(model)
     size = trainer.size()
+    if rank == 0:
+        print(f"{world} ranks, {size:,} parameters; cores sharded, rank gates whole", flush=True)
     train(model, optimizer, trainer, args.steps // 2, rank, world, device)
 
     directory = tempfile.mkdtemp() if rank == 0 else None
@@ -92,7 +101,10 @@ def main() -> None:
         print(f"resumed at step {trainer.steps} from {shared[0]}", flush=True)
     train(model, optimizer, trainer, args.steps - trainer.steps, rank, world, device)
     if rank == 0:
-        print(f"size {size:,} -> {trainer.size():,} parameters on {world} ranks")
+        print(f"size {size:,} -> {trainer.size():,} parameters, trained on {world} ranks")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(shared[0])
     dist.destroy_process_group()
 
 
