@@ -314,6 +314,11 @@ def cut_to_checkpoint(model: nn.Module, checkpoint_id: str, prefix: str = "model
         for key in wanted
         if key in metadata
     }
+    if layers and not state:
+        raise ValueError(
+            f"no tensorized layer layouts under '{prefix}' in {checkpoint_id}: saved by "
+            "save_checkpoint (the model under 'model.'), from a model of the same build?"
+        )
     dcp.load(state, checkpoint_id=checkpoint_id)
     changed = 0
     for key, value in state.items():
