@@ -3,6 +3,8 @@ sharded per decoder layer, prunes for real; the result equals one process traine
 concatenated batch; a sharded checkpoint resumes mid-run; disagreement and a failing rank
 raise instead of hanging."""
 
+import copy
+import functools
 import os
 import time
 import warnings
@@ -34,14 +36,20 @@ WORLD = 2
 BATCH, SEQ, VOCAB = 8, 16, 64
 
 
-def small_llama():
-    """The same optimized LLaMA on every rank and in the single-process run."""
+@functools.cache
+def _built():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
     )
     return cc.optimize(transformers.LlamaForCausalLM(config), budget=0.6, compile=False)
+
+
+def small_llama():
+    """The same optimized LLaMA on every rank and in the single-process run (built once
+    per process, a fresh copy each call)."""
+    return copy.deepcopy(_built())
 
 
 def full_batch():
@@ -158,16 +166,13 @@ def _resume_worker(rank, path):
         tokens = my_half(rank)
         model = shard(small_llama())
         opt, trainer = make_trainer(model, structured=True)
-        run(model, opt, trainer, tokens, STEPS)
-        straight = full_state_dict(model, cpu_offload=False)
-        straight_losses = trainer.history.column("task_loss")
-
-        model = shard(small_llama())
-        opt, trainer = make_trainer(model, structured=True)
         run(model, opt, trainer, tokens, SAVE_AT)
         saved_ranks, saved_cuts = ranks_of(model), trainer.cuts
         saved_groups = len(opt.param_groups)
-        save_checkpoint(f"{path}/checkpoint", model, opt, trainer)
+        save_checkpoint(f"{path}/checkpoint", model, opt, trainer)  # changes nothing
+        run(model, opt, trainer, tokens, STEPS - SAVE_AT)  # the uninterrupted run
+        straight = full_state_dict(model, cpu_offload=False)
+        straight_losses = trainer.history.column("task_loss")
         del model, opt, trainer
 
         model = small_llama()
