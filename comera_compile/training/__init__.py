@@ -25,6 +25,18 @@ from comera_compile.training.size import (
 )
 from comera_compile.training.trainer import RankAdaptiveTrainer
 
+try:  # FSDP2 needs torch.distributed, absent from some builds
+    from comera_compile.training.sharded import (
+        cut_to_checkpoint,
+        full_state_dict,
+        load_checkpoint,
+        prune_sharded,
+        save_checkpoint,
+        shard,
+    )
+except ImportError:  # pragma: no cover
+    pass
+
 __all__ = [
     "BudgetSchedule",
     "EARLY",
@@ -35,18 +47,24 @@ __all__ = [
     "PrunableDDP",
     "RankAdaptiveTrainer",
     "core_l2",
+    "cut_to_checkpoint",
     "distill",
     "distill_loss",
     "effective_ranks_by_layer",
     "fit_layers",
+    "full_state_dict",
     "keep_min_rank",
     "late_stage_loss",
+    "load_checkpoint",
     "model_size",
     "param_groups",
     "plot_compression",
     "plot_ranks",
     "prune_model",
+    "prune_sharded",
     "rank_penalty",
+    "save_checkpoint",
+    "shard",
     "size_weight",
     "slice_optimizer_state",
     "soft_size",

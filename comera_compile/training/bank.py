@@ -17,6 +17,17 @@ from torch import Tensor, nn
 
 from comera_compile.nn import tensorized_layers
 
+try:  # FSDP2 shards cores as DTensors; builds without torch.distributed have none
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()
+
+
+def full(tensor: Tensor) -> Tensor:
+    """The whole tensor on every rank: a sharded DTensor (an FSDP2 core) is gathered
+    (differentiably), a plain tensor passes through."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
 
 @dataclass
 class _Index:
@@ -63,6 +74,11 @@ class GateBank:
         self._index: _Index | None = None
         # Walking ParameterLists costs microseconds per item; the objects never change
         self._gates = [g for layer in self.layers for g in layer.gates]
+        self.refresh_cores()
+
+    def refresh_cores(self) -> None:
+        """Re-read the core parameters: sharding a model (FSDP2) replaces them with new
+        objects, at wrap time and at each sharded prune."""
         self._core_params = [c for layer in self.layers for c in layer.cores]
 
     def __len__(self) -> int:
@@ -142,7 +158,8 @@ class GateBank:
         """Sum of squared core entries over all layers (one fused norm over the cores)."""
         if not self._core_params:
             return torch.zeros(())
-        return torch.stack(torch._foreach_norm(self._core_params)).pow(2).sum()
+        norms = torch._foreach_norm(self._core_params)
+        return torch.stack([full(n) for n in norms]).pow(2).sum()
 
     # ----- counts and sizes (host side) -------------------------------------------------
     def alive_counts(self) -> Tensor:

@@ -55,16 +55,25 @@ class Collective:
         return tensor
 
     def check_same(self, bank: Any) -> None:
-        """Raise if the gates differ between ranks (every rank must prune the same)."""
+        """Raise on every rank if the gates differ between ranks (every rank must prune
+        the same). All ranks learn the verdict, so none goes on into a prune's collectives
+        and waits there for ranks that stopped."""
         if not _active() or not len(bank):
             return
         mine = bank.flat().detach()
-        first = self.from_first(mine)
-        if not torch.equal(mine, first):
+        size = self.from_first(mine.new_tensor([mine.numel()]))
+        same = int(size.item()) == mine.numel()
+        if same:
+            same = torch.equal(mine, self.from_first(mine))
+        differ = mine.new_tensor([0.0 if same else 1.0])
+        dist.all_reduce(differ)
+        if differ.item():
             raise RuntimeError(
-                f"rank {dist.get_rank()}'s rank gates differ from rank 0's before pruning; "
-                "gradients must be all-reduced (wrap the model in PrunableDDP) and every rank "
-                "must run the same optimizer"
+                f"rank gates differ from rank 0's on {int(differ.item())} of "
+                f"{dist.get_world_size()} ranks before pruning (rank {dist.get_rank()}: "
+                f"{'same' if same else 'differs'}); gradients must be averaged over ranks "
+                "(wrap the model in PrunableDDP, or shard it with "
+                "comera_compile.training.shard) and every rank must run the same optimizer"
             )
 
 

@@ -21,8 +21,8 @@ import warnings
 import torch
 from torch import nn
 
-from comera_compile.nn import PruneResult, tensorized_layers
-from comera_compile.training.bank import GateBank
+from comera_compile.nn import PruneResult, TensorizedLayer, tensorized_layers
+from comera_compile.training.bank import GateBank, full
 
 
 def _follows(shape: torch.Size, param_shape: list[int]) -> bool:
@@ -86,15 +86,22 @@ def prune_model(
     """
     results = {}
     for name, layer in tensorized_layers(model).items():
-        params = [*layer.cores, *layer.gates]
-        shapes_before = {id(p): p.shape for p in params}
-        result = layer.prune_ranks()
-        if not result:
-            continue
-        if optimizer is not None:
-            slice_optimizer_state(optimizer, result, shapes_before)
-        results[name] = result
+        result = prune_layer(layer, optimizer)
+        if result:
+            results[name] = result
     return results
+
+
+@torch.no_grad()
+def prune_layer(
+    layer: TensorizedLayer, optimizer: torch.optim.Optimizer | None = None
+) -> PruneResult:
+    """``layer.prune_ranks()`` with the optimizer's state sliced to match."""
+    shapes_before = {id(p): p.shape for p in (*layer.cores, *layer.gates)}
+    result = layer.prune_ranks()
+    if result and optimizer is not None:
+        slice_optimizer_state(optimizer, result, shapes_before)
+    return result
 
 
 @torch.no_grad()
@@ -173,8 +180,8 @@ def channel_scores(bank: GateBank) -> list[torch.Tensor]:
         layer = bank.layers[i]
         gate = layer.gates[k].detach()
         r = gate.numel()
-        left = layer.cores[k].detach().reshape(-1, r).norm(dim=0)
-        right = layer.cores[k + 1].detach().reshape(r, -1).norm(dim=1)
+        left = full(layer.cores[k].detach()).reshape(-1, r).norm(dim=0)
+        right = full(layer.cores[k + 1].detach()).reshape(r, -1).norm(dim=1)
         alive = gate.abs() > bank.thresholds[b]
         energy = (gate.abs() * alive * left * right).pow(2)
         share = energy / energy.sum().clamp(min=torch.finfo(energy.dtype).tiny)

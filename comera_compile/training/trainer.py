@@ -15,7 +15,9 @@ and the history is recorded. A compiled model recompiles at each cut, so it is c
 once a third of its core parameters are dead (``COMPILED_MIN_CUT``) and where the run
 needs its final shapes: a few compiles per run, not one per prune. ``prune_every=None``
 never changes a parameter's shape (dead channels are only frozen at zero), for wrappers
-that fix shapes at wrap time (FSDP, a framework's own DDP); prune once after training.
+that fix shapes at wrap time (FSDP1, a framework's own DDP); prune once after training.
+Under DDP wrap the model in ``PrunableDDP``; under FSDP2 shard it with ``training.shard``
+(each prune then gathers, cuts and re-shards the groups that lost channels).
 
 The late stage needs targets. Size ``S`` is ``model_size`` (parameters, or bytes with
 ``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` at late-stage start,
@@ -89,6 +91,25 @@ def is_compiled(model: nn.Module) -> bool:
     return impl is not None and getattr(impl, "compiles_training", True)
 
 
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 sharded (part of) ``model``; never imports FSDP where it is absent."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _check_gates_whole(bank: GateBank) -> None:
+    """Sharded gates would make every step's bookkeeping a collective: refuse them."""
+    if any(type(g).__name__ == "DTensor" for g in bank.gates):
+        raise ValueError(
+            "the rank gates are sharded (DTensor): shard the model with "
+            "comera_compile.training.shard, which keeps them whole on every rank, "
+            "instead of calling fully_shard yourself"
+        )
+
+
 def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
     if total_steps is not None and (epochs is not None or steps_per_epoch is not None):
         raise ValueError("give total_steps, or epochs and steps_per_epoch, not both")
@@ -157,6 +178,7 @@ class RankAdaptiveTrainer:
         self.cuts = 0  # prunes that changed shapes (each one a recompile when compiled)
         self.plateau = Plateau(plateau_patience)
         self.bank = GateBank(unwrap(model))
+        _check_gates_whole(self.bank)
         self.collective = Collective()
         self.steps = 0
         self._stage = EARLY
@@ -262,10 +284,18 @@ class RankAdaptiveTrainer:
 
     # ----- stage control ------------------------------------------------------------------
     def prune(self) -> dict[str, PruneResult]:
-        """Drop dead rank channels now (cores, gates and optimizer state). Under DDP the
-        gates are first checked equal on every rank."""
+        """Drop dead rank channels now (cores, gates and optimizer state). Under DDP or FSDP
+        the gates are first checked equal on every rank; a model sharded by
+        ``training.shard`` is gathered, pruned and sharded again group by group."""
         self.collective.check_same(self.bank)
-        self.last_pruned = prune_model(unwrap(self.model), self.optimizer)
+        model = unwrap(self.model)
+        if _is_sharded(model):
+            from comera_compile.training.sharded import prune_sharded
+
+            self.last_pruned = prune_sharded(model, self.optimizer)
+            self.bank.refresh_cores()  # re-sharding made new core parameters
+        else:
+            self.last_pruned = prune_model(model, self.optimizer)
         self.cuts += bool(self.last_pruned)
         return self.last_pruned
 
