@@ -59,3 +59,44 @@ def test_dead_share_counts_what_a_cut_would_remove():
     r = model[0].ranks
     lost = 2 * (4 * r[0] + 4 * r[2]) + 2  # both cores beside the bond, and two gate entries
     assert trainer.dead_share(counts) == pytest.approx(lost / stored)
+
+
+def _measured(model, compile_s: float, gain_s: float):
+    """A measured compile whose training race is already decided: compiled, with the given
+    first-compile cost and gain per step (the compiled call itself runs eager here)."""
+    from comera_compile.compile.measured import COMPILED, TRAINING, MeasuredCompile
+
+    impl = MeasuredCompile(model, lambda *a, **k: model._call_impl(*a, **k))
+    race = impl.races[TRAINING]
+    race.choice, race.speedup, race.compile_s, race.gain_s = COMPILED, 1.5, compile_s, gain_s
+    model._compiled_call_impl = impl
+    return impl
+
+
+@pytest.mark.parametrize("compile_s, stays_compiled", [(60.0, False), (0.001, True)])
+def test_a_cut_whose_recompile_would_not_pay_back_runs_the_model_eager(compile_s,
+                                                                        stays_compiled):
+    """90 steps that save 1 ms each cannot pay for a 60 s recompile: at the first cut the
+    model goes eager (and is then cut like an eager model); a cheap recompile keeps it
+    compiled and cut rarely."""
+    x, y = toy_classes(64)
+    model = small_tt_model()
+    impl = _measured(model, compile_s, gain_s=1e-3)
+    assert is_compiled(model)
+    opt = torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-3, lr_rest=1e-2))
+    trainer = RankAdaptiveTrainer(model, opt, early_steps=20, prune_every=5,
+                                  target_ratio=0.3, total_steps=90)
+    train_steps(model, opt, trainer, x, y, 90)
+    assert trainer.target_reached and trainer.cuts >= 1
+    assert is_compiled(model) == stays_compiled
+    if stays_compiled:
+        assert impl.describe().startswith("training: compiled")
+    else:
+        why = impl.describe()
+        assert why.startswith("eager: from step ") and "60 s" in why and "1 ms" in why
+        assert impl.why_not_recompile(10**6) == "training already runs eager"
+    _, compiled, _ = _run(compiled=True)  # compiled throughout: cut only a few times
+    if stays_compiled:
+        assert trainer.cuts == compiled.cuts
+    else:  # eager from the first cut on: cut at every prune point with dead channels
+        assert trainer.cuts > compiled.cuts

@@ -46,6 +46,8 @@ class Race:
         self.trials = trials
         self.choice: str | None = None
         self.speedup: float | None = None
+        self.gain_s = 0.0  # seconds a compiled call saves over an eager one
+        self.compile_s = 0.0  # seconds the first compile cost, past the compiled call's time
         self.periods: dict[str, list[float]] = {COMPILED: [], EAGER: []}
         self.plan = [COMPILED] * WARMUP[COMPILED] + [EAGER] * WARMUP[EAGER]
         self.last: tuple[str, float, tuple] | None = None  # (mode, start, input shapes)
@@ -73,6 +75,9 @@ class Race:
         eager = statistics.median(self.periods[EAGER][WARMUP[EAGER]:])
         compiled = statistics.median(self.periods[COMPILED][WARMUP[COMPILED]:])
         self.speedup = eager / compiled
+        self.gain_s = eager - compiled
+        warm = self.periods[COMPILED][:WARMUP[COMPILED]]
+        self.compile_s = max(0.0, sum(warm) - len(warm) * compiled)
         self.choice = COMPILED if self.speedup >= MARGIN else EAGER
         self.last = None
 
@@ -84,6 +89,7 @@ class MeasuredCompile:
     def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3) -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
+        self.eager_why = ""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = self.model.training and torch.is_grad_enabled()
@@ -93,6 +99,27 @@ class MeasuredCompile:
             return self.compiled(*args, **kwargs)
         return self.model._call_impl(*args, **kwargs)
 
+    def why_not_recompile(self, calls_left: int) -> str:
+        """Why recompiling the training graph (a cut changes its shapes) would not pay, or
+        "" if it would: the compiled step's measured gain over ``calls_left`` more training
+        calls must cover the recompile, taken to cost what the first compile did."""
+        race = self.races[TRAINING]
+        if race.choice is None:
+            return ""
+        if race.choice == EAGER:
+            return "training already runs eager"
+        if calls_left * race.gain_s >= race.compile_s:
+            return ""
+        return (f"a cut changes the cores' shapes, and its recompile (the first took "
+                f"{race.compile_s:.0f} s) would not be paid back by the compiled step's gain "
+                f"({race.gain_s * 1e3:.0f} ms a step) over the {calls_left} steps left")
+
+    def run_eager(self, why: str) -> None:
+        """Run every call eager from now on (a recompile would not pay), saying ``why``."""
+        for race in self.races.values():
+            race.choice, race.last = EAGER, None
+        self.eager_why = why
+
     @property
     def compiles_training(self) -> bool:
         """Whether training steps run compiled (until the race ends: yes)."""
@@ -100,6 +127,8 @@ class MeasuredCompile:
 
     def describe(self) -> str:
         """What runs and why, for ``summary``."""
+        if self.eager_why:
+            return f"eager: {self.eager_why}"
         parts = []
         for kind, race in self.races.items():
             if race.choice is None:

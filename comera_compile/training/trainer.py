@@ -13,7 +13,9 @@ them back), channels are pruned for real every ``prune_every`` steps (100 by def
 the stage switch and where the run needs its final shapes, the late stage starts when due,
 and the history is recorded. A compiled model recompiles at each cut, so it is cut only
 once a third of its core parameters are dead (``COMPILED_MIN_CUT``) and where the run
-needs its final shapes: a few compiles per run, not one per prune. ``prune_every=None``
+needs its final shapes: a few compiles per run, not one per prune. Where ``optimize``'s
+measured compile runs it and the run's length is known, a cut whose recompile the compiled
+step's measured gain would not pay back over the steps left turns the model eager instead. ``prune_every=None``
 never changes a parameter's shape (dead channels are only frozen at zero), for wrappers
 that fix shapes at wrap time (FSDP1, a framework's own DDP); prune once after training.
 Under DDP wrap the model in ``PrunableDDP``; under FSDP2 shard it with ``training.shard``
@@ -311,9 +313,25 @@ class RankAdaptiveTrainer:
         compiled one (a recompile per cut) when ``COMPILED_MIN_CUT`` of the cores are dead, or where
         the run needs its final shapes (``required``: the budget's end, the run's end)."""
         share = self.dead_share(counts)
-        min_cut = COMPILED_MIN_CUT if is_compiled(self.model) else 0.0
+        compiled = is_compiled(self.model)
+        if compiled and share > 0 and (share >= COMPILED_MIN_CUT or required):
+            compiled = self._keep_compiled()
+        min_cut = COMPILED_MIN_CUT if compiled else 0.0
         if share > 0 and (share >= min_cut or required):
             self.prune()
+
+    def _keep_compiled(self) -> bool:
+        """Before a cut of a model ``optimize`` compiled (its measured compile): keep it
+        compiled only if the recompile the cut causes is paid back by the compiled step's
+        measured gain over the steps the run has left; else run it eager from now on."""
+        impl = getattr(unwrap(self.model), "_compiled_call_impl", None)
+        if not hasattr(impl, "why_not_recompile") or self.total_steps is None:
+            return True
+        why = impl.why_not_recompile(self.total_steps - self.steps)
+        if not why:
+            return True
+        impl.run_eager(f"from step {self.steps}: {why}")
+        return False
 
     def start_late_stage(self, counts: list[int] | None = None) -> None:
         """Switch to the late stage now: prune (unless ``prune_every=None``), then fix
