@@ -42,3 +42,7 @@ def test_every_results_table_in_the_readme_is_a_results_file_verbatim():
     assert blocks  # the README shows the pretraining table
     for block in blocks:
         assert block in results
+
+
+def test_the_readme_stays_short():
+    assert len(README.splitlines()) <= 250  # details live in docs/, history in CHANGELOG.md
