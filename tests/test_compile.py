@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+import comera_compile
 import comera_compile.compile as cc
 from comera_compile.compile import backend as backend_module
 from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
@@ -209,7 +210,24 @@ def test_plain_graph_warns_once_and_still_compiles(monkeypatch):
             torch._dynamo.reset()
             out = torch.compile(model, backend="comera", options={"inductor": False})(x)
     torch.testing.assert_close(out, model(x))
-    assert sum("no tensorized contraction" in str(w.message) for w in caught) == 1
+    assert sum("no tensorized layer" in str(w.message) for w in caught) == 1
+
+
+def test_a_cola_model_is_not_called_untensorized(monkeypatch):
+    """CoLA and low-rank layers are plain matmuls (no op of ours in the graph); compiling
+    them must not say the model is not tensorized."""
+    monkeypatch.setattr(backend_module, "_warned_plain", False)
+    torch.manual_seed(0)
+    model = comera_compile.optimize(nn.Sequential(nn.Linear(64, 64), nn.ReLU(),
+                                                  nn.Linear(64, 64)), 0.3, compile=False)
+    assert {r["format"] for r in comera_compile.summary(model).records} == {"cola"}
+    x = torch.randn(3, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="comera", options={"inductor": False})(x)
+    torch.testing.assert_close(out, model(x))
+    assert not any("no tensorized layer" in str(w.message) for w in caught)
 
 
 def test_fresh_process_finds_the_backend():
@@ -224,7 +242,7 @@ def test_fresh_process_finds_the_backend():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = torch.compile(model, backend="comera", options={"inductor": False})(x)
-        assert any("no tensorized contraction" in str(w.message) for w in caught)
+        assert any("no tensorized layer" in str(w.message) for w in caught)
         print("maxdiff", float((out - model(x)).abs().max()))
         """
     )

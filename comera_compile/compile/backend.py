@@ -105,12 +105,19 @@ def _warn_plain() -> None:
         return
     _warned_plain = True
     warnings.warn(
-        "comera backend: this graph has no tensorized contraction (TTLinear, TTMLinear, "
-        "TTEmbedding), compiling it with plain inductor; use comera_compile.optimize(model) "
-        "to tensorize the model first",
+        "comera backend: this graph has no tensorized layer (TTLinear, TTMLinear, "
+        "LowRankLinear, CoLALinear, TTEmbedding), compiling it with plain inductor; use "
+        "comera_compile.optimize(model) to tensorize the model first",
         UserWarning,
         stacklevel=2,
     )
+
+
+def _reads_cores(gm: fx.GraphModule) -> bool:
+    """Whether the graph reads a tensorized layer's cores (a parameter list named ``cores``),
+    as the low-rank and CoLA layers' plain matmuls do."""
+    return any("cores" in node.name for node in gm.graph.nodes
+               if node.op in ("placeholder", "get_attr"))
 
 
 def _row_buckets(nodes: list[fx.Node]) -> str:
@@ -225,7 +232,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         gm.recompile()
         if opts.absorb_attention:
             absorb_attention(gm)
-    else:
+    elif not _reads_cores(gm):  # low-rank and CoLA layers are plain matmuls: no op of ours
         _warn_plain()
     _log_start(nodes)
     cpu = not _on_cuda(example_inputs)

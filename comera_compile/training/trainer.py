@@ -15,9 +15,10 @@ and the history is recorded. A compiled model recompiles at each cut, so it is c
 once a third of its core parameters are dead (``COMPILED_MIN_CUT``) and where the run
 needs its final shapes: a few compiles per run, not one per prune. Where ``optimize``'s
 measured compile runs it and the run's length is known, a cut whose recompile the compiled
-step's measured gain would not pay back over the steps left turns the model eager instead. ``prune_every=None``
-never changes a parameter's shape (dead channels are only frozen at zero), for wrappers
-that fix shapes at wrap time (FSDP1, a framework's own DDP); prune once after training.
+step's measured gain would not pay back over the steps left turns the model eager instead.
+``prune_every=None`` never changes a parameter's shape (dead channels are only frozen at
+zero), for wrappers that fix shapes at wrap time (FSDP1, a framework's own DDP); prune
+once after training.
 Under DDP wrap the model in ``PrunableDDP``; under FSDP2 shard it with ``training.shard``
 (each prune then gathers, cuts and re-shards the groups that lost channels).
 
