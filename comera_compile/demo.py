@@ -106,9 +106,9 @@ def _run(steps: int, directory: Path, seed: int, batch: int, progress: bool) -> 
     model = optimize(dense, Budget(ratio=8), example_inputs=example, compile=False)
     start_params = sum(p.numel() for p in model.parameters())
     (directory / "summary.txt").write_text(str(summary(model)) + "\n")
+    formats = sorted({r["format"] for r in summary(model).records})
     print(f"optimize(model, budget=8x smaller): {len(tensorized_layers(model))} layers now "
-          f"tensor-train, "
-          f"{start_params:,} parameters")
+          f"compressed ({', '.join(formats)}), {start_params:,} parameters")
 
     reference = copy.deepcopy(dense)
     print(f"training dense, {steps} steps (batch {batch} pairs of {task.seq_len} tokens)")
