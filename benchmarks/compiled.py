@@ -120,8 +120,9 @@ def measure(name: str, args) -> dict:
         x = torch.randint(0, 256, (args.batch, args.seq))
     else:
         x = torch.randn(args.batch, args.seq, width)
-    eager = cc.optimize(dense, budget=args.budget, example_inputs=(x,), compile=False)
-    default = cc.optimize(dense, budget=args.budget, example_inputs=(x,))
+    fmt = {"format": args.format} if args.format else {}
+    eager = cc.optimize(dense, budget=args.budget, example_inputs=(x,), compile=False, **fmt)
+    default = cc.optimize(dense, budget=args.budget, example_inputs=(x,), **fmt)
     default.load_state_dict(eager.state_dict())
     width = output(eager, x).shape[-1]
     proj = torch.randn(width, generator=torch.Generator().manual_seed(1)) / width**0.5
@@ -172,6 +173,8 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.05)
     p.add_argument("--steps", type=int, default=5, help="alternating steady steps per form")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--format", default=None, help="layer format (default: optimize's)")
+    p.add_argument("--results-name", default="compiled")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -188,13 +191,14 @@ def main() -> None:
               "default / eager", "race s", "out diff", "grad diff"]
     text = text_table(header, rows, right=range(1, len(header)))
     print(text)
+    fmt = f", format={args.format!r}" if args.format else ""
     body = (f"Training steps at batch {args.batch} x {args.seq}, optimize(budget="
-            f"{args.budget}), AdamW, {args.threads} threads; ratios are eager time over "
+            f"{args.budget}{fmt}), AdamW, {args.threads} threads; ratios are eager time over "
             f"compiled time, measured in one process (the race: {COMPILED!r} and eager steps "
             "in turn; steady: alternating steps). Differences are relative, before any "
             "optimizer step.\n\n```\n" + text + "\n```\n")
     if not args.no_write:
-        print("wrote", write_results("compiled", "Compiled against eager", body))
+        print("wrote", write_results(args.results_name, "Compiled against eager", body))
 
 
 if __name__ == "__main__":
