@@ -238,7 +238,8 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
     def options_in(fmt: str) -> tuple[list, dict]:
         return eligible_options(candidates, shapes.layers if shapes else None, called,
                                 include, exclude, filter_fn, layer_config,
-                                ALLOCATED_AS if fmt == AUTO else fmt, max_rank)
+                                ALLOCATED_AS if fmt == AUTO else fmt, max_rank,
+                                named=config.format is not None)
 
     options, skipped = options_in(layer_format)
     weights = grams = None

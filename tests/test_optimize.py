@@ -281,5 +281,8 @@ def test_default_format_is_cola_from_scratch_and_tt_where_cola_cannot_reach_the_
     chained = cc.optimize(MLP(), 0.2, compile=False, layer_config={"net.0": {"order": 2}})
     records = {r["name"]: r["format"] for r in cc.summary(chained).records}
     assert records["net.0"] == "tt" and records["net.2"] == "cola"
+    with pytest.raises(ValueError, match="one mode per side"):  # a format you name is kept
+        cc.optimize(MLP(), 0.2, format="cola", compile=False,
+                    layer_config={"net.0": {"order": 2}})
     pretrained = cc.optimize(MLP(), 0.2, init="dense", compile=False)
     assert {r["format"] for r in cc.summary(pretrained).records} == {"tt"}

@@ -130,12 +130,15 @@ def _chained(cfg: dict[str, Any], keys: tuple[str, str]) -> bool:
         isinstance(order, int) and order > 1)
 
 
-def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str) -> _Option:
-    """An option from layer_config, checked by computing the layer's layout."""
+def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str,
+                named: bool = False) -> _Option:
+    """An option from layer_config, checked by computing the layer's layout. Without a
+    format named (here or for the whole model), modes or ranks of a chain mean TT."""
     keys = ("row_modes", "col_modes") if cand.is_embedding else ("in_modes", "out_modes")
     in_modes, out_modes = cfg.get(keys[0]), cfg.get(keys[1])
-    if cfg.get("format") is None and default_fmt in (LOWRANK, COLA) and _chained(cfg, keys):
-        default_fmt = TT  # modes or ranks of a chain describe a TT layer
+    if (cfg.get("format") is None and not named and default_fmt in (LOWRANK, COLA)
+            and _chained(cfg, keys)):
+        default_fmt = TT
     fmt = _format_for(cand, cfg.get("format"), default_fmt, cand.name)
     ranks = cfg.get("ranks", 1)
     try:
@@ -196,8 +199,10 @@ def eligible_options(
     layer_config: dict[str, dict] | None,
     fmt: str,
     max_rank: int | None,
+    named: bool = False,
 ) -> tuple[list[_Option], dict[str, str]]:
-    """The layers that may be tensorized, and why each other layer stays dense."""
+    """The layers that may be tensorized, and why each other layer stays dense. ``named``:
+    ``fmt`` is the user's own choice, not the default (see ``_configured``)."""
     layer_config = check_layer_config(layer_config)
     options, skipped = [], {}
     for cand in candidates:
@@ -215,7 +220,7 @@ def eligible_options(
             skipped[cand.name] = reason
             continue
         if cfg is not None:
-            option = _configured(cand, cfg, fmt)
+            option = _configured(cand, cfg, fmt, named)
         else:
             layer_fmt = _format_for(cand, None, fmt, cand.name)
             ins, outs = auto_modes(cand, layer_fmt)
