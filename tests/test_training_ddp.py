@@ -2,6 +2,7 @@
 rebuilds the DDP wrapper, every rank prunes the same, and the result equals one process
 trained on the concatenated batch."""
 
+import gc
 import os
 
 import pytest
@@ -52,6 +53,12 @@ def _worker(rank, path):
             },
             f"{path}/rank{rank}.pt",
         )
+        # DDP's reducer must not hold the last reference to the process group: freed
+        # after destroy_process_group, gloo's destructor joins its worker thread while
+        # holding the GIL that thread needs (a hang at exit)
+        del ddp, trainer
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
