@@ -100,6 +100,8 @@ def step(model, opt, x, proj) -> None:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if x.is_cuda:
+        torch.cuda.synchronize()  # time the finished step, not its launch
 
 
 def gradient_difference(a: nn.Module, b: nn.Module) -> float:
@@ -115,17 +117,19 @@ def gradient_difference(a: nn.Module, b: nn.Module) -> float:
 def measure(name: str, args) -> dict:
     build, width = MODELS[name]
     torch.manual_seed(0)
-    dense = build().train()
+    dense = build().train().to(args.device)
     if width is None:
         x = torch.randint(0, 256, (args.batch, args.seq))
     else:
         x = torch.randn(args.batch, args.seq, width)
+    x = x.to(args.device)
     fmt = {"format": args.format} if args.format else {}
     eager = cc.optimize(dense, budget=args.budget, example_inputs=(x,), compile=False, **fmt)
     default = cc.optimize(dense, budget=args.budget, example_inputs=(x,), **fmt)
     default.load_state_dict(eager.state_dict())
     width = output(eager, x).shape[-1]
     proj = torch.randn(width, generator=torch.Generator().manual_seed(1)) / width**0.5
+    proj = proj.to(args.device)
     # equality first, before any optimizer step: outputs and gradients, compiled vs eager
     compiled_call = default._compiled_call_impl.compiled
     out_e = output(eager, x)
@@ -173,6 +177,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.05)
     p.add_argument("--steps", type=int, default=5, help="alternating steady steps per form")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA Graphs on by default)")
     p.add_argument("--format", default=None, help="layer format (default: optimize's)")
     p.add_argument("--results-name", default="compiled")
     p.add_argument("--no-write", action="store_true")
@@ -193,9 +198,10 @@ def main() -> None:
     print(text)
     fmt = f", format={args.format!r}" if args.format else ""
     body = (f"Training steps at batch {args.batch} x {args.seq}, optimize(budget="
-            f"{args.budget}{fmt}), AdamW, {args.threads} threads; ratios are eager time over "
-            f"compiled time, measured in one process (the race: {COMPILED!r} and eager steps "
-            "in turn; steady: alternating steps). Differences are relative, before any "
+            f"{args.budget}{fmt}), AdamW, on {args.device} with {args.threads} CPU threads; "
+            "ratios are eager time over compiled time, measured in one process (the race: "
+            f"{COMPILED!r} and eager steps in turn; steady: alternating steps). Differences are "
+            "relative, before any "
             "optimizer step.\n\n```\n" + text + "\n```\n")
     if not args.no_write:
         print("wrote", write_results(args.results_name, "Compiled against eager", body))

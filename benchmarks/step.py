@@ -11,12 +11,14 @@ own AdamW, as its README sets it. Step time is the median of ``--steps`` steps a
 ``--warmup`` steps (compilation happens in the warm-up). Training memory is the peak RSS
 during the timed steps (the kernel's high-water mark, reset before them; sampled every 5 ms
 where the reset is refused) minus the RSS of the process before the model is built (on
-CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps). Page faults are the minor
-faults of the process per timed step (``getrusage``): each is a 4 KiB page of a freshly
-mapped block touched for the first time. The compiled CoMERA rows keep freed blocks of
-1 MiB or more by size for reuse (they ask for ``host_memory="cache"``, the block cache,
-an opt-in of the backend: its default leaves the allocator alone);
-the other rows keep glibc's own defaults. ``--host-memory cache``, ``reuse`` or
+CUDA: the most memory the caching allocator held, ``torch.cuda.max_memory_reserved``,
+over the whole run: CUDA Graph trees keep a replayed step's activations in a private pool
+whose blocks count as free between replays, so the allocated peak would miss them).
+Page faults are the minor faults of the process per timed step (``getrusage``): each
+is a 4 KiB page of a freshly mapped block touched for the first time. The compiled
+CoMERA rows keep freed blocks of 1 MiB or more by size for reuse (they ask for
+``host_memory="cache"``, the block cache, an opt-in of the backend: its default leaves the
+allocator alone); the other rows keep glibc's own defaults. ``--host-memory cache``, ``reuse`` or
 ``release`` sets that allocator in every row, so rows can be compared on equal terms (the
 allocator's own share of a gain).
 
@@ -189,8 +191,6 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     for _ in range(warmup):
         step()
     warm = time.perf_counter() - start
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     times = []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with PeakRss() as peak:
@@ -200,7 +200,7 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
             times.append(time.perf_counter() - start)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     memory = (
-        torch.cuda.max_memory_allocated() if device == "cuda" else peak.peak - base
+        torch.cuda.max_memory_reserved() if device == "cuda" else peak.peak - base
     )
     return {
         "row": row,

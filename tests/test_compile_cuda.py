@@ -66,7 +66,7 @@ def prune_half_of_first_bond(model: nn.Module, optimizer: torch.optim.Optimizer)
         with torch.no_grad():
             gate = module.gates[0]
             gate[: gate.numel() // 2] = 0.0
-        result = module.prune_ranks()
+        result = module.prune_ranks(multiple_of=1)  # CUDA's default keeps multiples of 8
         removed += result.total_removed
         for param, dim, index in result.slices:
             state = optimizer.state.get(param, {})
@@ -101,7 +101,9 @@ def test_backend_gradients_match_eager_under_cudagraphs():
     for fn in (model, compiled):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(fn(ids), labels).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    assert grads[1].keys() == grads[0].keys()
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -127,7 +129,10 @@ def test_captured_step_equals_eager_steps():
         torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
     assert step.records == 1
     for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+        # a key bias's gradient is zero in exact arithmetic (softmax ignores a shift), so
+        # each form holds rounding noise there, which AdamW turns into lr-sized steps
+        atol = 3 * 1e-3 if name.endswith("key.bias") else 1e-5
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=atol, msg=name)
 
 
 def test_pruning_rerecords_the_step_automatically():

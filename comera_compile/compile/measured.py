@@ -33,6 +33,10 @@ WARMUP = {COMPILED: 2, EAGER: 1}
 then its backward), the second still settles; eager's first call plans its contractions."""
 
 
+def _on_cuda(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
+
+
 def _shapes(args: tuple, kwargs: dict) -> tuple:
     values = (*args, *kwargs.values())
     return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in values)
@@ -94,6 +98,8 @@ class MeasuredCompile:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = self.model.training and torch.is_grad_enabled()
         race = self.races[TRAINING if training else INFERENCE]
+        if race.choice is None and _on_cuda(args, kwargs):
+            torch.cuda.synchronize()  # CUDA runs ahead of the host: time finished work only
         mode = race.choice or race.next_mode(_shapes(args, kwargs))
         if mode == COMPILED:
             return self.compiled(*args, **kwargs)

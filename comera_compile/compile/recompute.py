@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 from comera_compile.compile.graph_nodes import call_with_value
+from comera_compile.planner.ops import symbolic_hint
 
 THIN = 48  # a matmul contracting at most this many indices is cheap to redo (TT bonds)
 
@@ -62,10 +63,8 @@ def _nbytes(node: fx.Node) -> int:
         return 0
     numel = value.numel()
     if isinstance(numel, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
         try:
-            numel = optimization_hint(numel)
+            numel = symbolic_hint(numel)
         except Exception:  # an unbacked size has no hint: not small
             return WIDE
     return int(numel) * value.element_size()

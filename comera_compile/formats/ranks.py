@@ -73,6 +73,8 @@ def fit_ranks(dims: Sequence[int], ranks: int | Sequence[int]) -> list[int]:
 
 def _is_integer(value: object) -> bool:
     """True for ints, numpy and torch integer scalars (and bools, which positive_int refuses)."""
+    if isinstance(value, (list, tuple)):  # the common case, decided without raising:
+        return False  # some torch.compile versions cannot trace a caught TypeError
     try:
         operator.index(value)  # type: ignore[arg-type]
     except TypeError:

@@ -98,6 +98,14 @@ def _slice_parameter(param: nn.Parameter, dim: int, index: Tensor) -> None:
         param.grad = param.grad.index_select(dim, index).contiguous()
 
 
+def _renew_parameter_dicts(*holders: nn.Module) -> None:
+    """Give each holder a fresh parameter dict (same order, same objects). Shrinking
+    ``.data`` changes no dict, and some torch.compile versions skip a module's tensor guards
+    while its dicts are unchanged: a compiled graph would then run on the old shapes."""
+    for holder in holders:
+        holder._parameters = dict(holder._parameters)
+
+
 def _round_up_kept(keep: Tensor, gate: Tensor, multiple_of: int) -> Tensor:
     """``keep`` plus the largest-magnitude dropped channels, up to a multiple of
     ``multiple_of`` (or every channel)."""
@@ -219,6 +227,7 @@ class TensorizedLayer(PlannedLayer, nn.Module):
                 slices.append((param, dim, index))
         if any(removed):
             self.invalidate_plans()
+            _renew_parameter_dicts(self.cores, self.gates)
         return PruneResult(removed, before, self.num_core_parameters(), slices)
 
     @torch.no_grad()

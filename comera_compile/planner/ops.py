@@ -82,12 +82,24 @@ def _real_tensors():
         yield
 
 
-def _hint(rows: int | torch.SymInt) -> int | None:
-    """The concrete value behind a symbolic row count, read without adding a guard."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
+def symbolic_hint(value: int | torch.SymInt) -> int:
+    """The concrete value behind a symbolic size, read without adding a guard (raises for
+    an unbacked size, which has none)."""
     try:
-        return optimization_hint(rows)
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # older torch: the symbol's own hint
+        if not isinstance(value, torch.SymInt):
+            return int(value)
+        if value.node.hint is None:
+            raise ValueError("an unbacked size has no hint") from None
+        return int(value.node.hint)
+    return optimization_hint(value)
+
+
+def _hint(rows: int | torch.SymInt) -> int | None:
+    """The concrete value behind a symbolic row count, or None where it has none."""
+    try:
+        return symbolic_hint(rows)
     except Exception:  # an unbacked count has no value to read
         return None
 
