@@ -42,6 +42,7 @@ from comera_compile.passes import (
     select_layers,
     split_attention,
     summary,
+    weigh_tables,
 )
 from comera_compile.planner import PlanReport
 
@@ -252,17 +253,30 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         weights = output_weights(target, example_inputs, [o.cand for o in options])
     if init == "dense" and example_inputs is not None:
         grams = input_grams(target, example_inputs, [o.cand for o in options])
-    try:
-        selection = select_layers(options, skipped, budget, before, max_rank, init, weights,
-                                  grams)
-    except BudgetUnreachable:
-        if config.format is not None or layer_format == TT:
-            raise
-        # the default format's rank-1 floor is above the budget: TT compresses further
-        layer_format = TT
-        options, skipped = options_in(TT)
-        selection = select_layers(options, skipped, budget, before, max_rank, init, weights,
-                                  grams)
+    # tried in turn until one meets the budget: tables weighed by lookup frequency (low
+    # rank), then in TT layouts (which compress further); the default format, then TT
+    attempts = [(layer_format, True), (layer_format, False)]
+    if config.format is None and layer_format != TT:  # CoLA's or low rank's rank-1 floor
+        attempts += [(TT, True), (TT, False)]
+    eligible = {layer_format: (options, skipped)}
+    for fmt, weigh in attempts:
+        if weigh and not grams:
+            continue
+        if fmt not in eligible:
+            eligible[fmt] = options_in(fmt)
+        options = [copy.copy(o) for o in eligible[fmt][0]]  # weigh_tables edits them
+        skipped = dict(eligible[fmt][1])
+        if weigh:
+            weigh_tables(options, grams, max_rank)
+        try:
+            selection = select_layers(options, skipped, budget, before, max_rank, init,
+                                      weights, grams)
+        except BudgetUnreachable:
+            if (fmt, weigh) == attempts[-1]:
+                raise
+            continue
+        layer_format = fmt
+        break
     if layer_format == AUTO and grams:
         configured = check_layer_config(layer_config)
         keep = {o.cand.name for o in options

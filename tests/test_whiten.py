@@ -121,3 +121,71 @@ def test_format_auto_picks_each_layers_format_by_output_error_and_says_why():
     assert all(named.get_submodule(n).format == "ttm" for n in ("up", "down"))  # named wins
     params = sum(p.numel() for p in auto.parameters())
     assert params <= 0.3 * sum(p.numel() for p in teacher.parameters()) * 1.01
+
+
+# ----- embedding tables: rows weighted by how often they are looked up --------------------
+def _zipf_ids(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Ids whose frequencies fall as 1/rank, over a shuffled vocabulary (fixed order)."""
+    order = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    probs = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    draws = torch.multinomial(probs, rows, replacement=True,
+                              generator=torch.Generator().manual_seed(seed + 1))
+    return order[draws]
+
+
+def test_weighted_lowrank_table_is_exact_at_full_rank_and_best_in_the_weighted_norm():
+    from comera_compile.formats.whiten import row_weights, weighted_lowrank_table
+
+    torch.manual_seed(0)
+    table = torch.randn(300, 24, dtype=torch.float64)
+    freq = torch.bincount(_zipf_ids(4000, 300, 0), minlength=300).double() / 4000
+    a, b = weighted_lowrank_table(table, freq, 24)
+    torch.testing.assert_close(a @ b, table)
+    w = row_weights(freq)[:, None]
+    a, b = weighted_lowrank_table(table, freq, 6)
+    u, s, vh = torch.linalg.svd(table, full_matrices=False)
+    plain = (u[:, :6] * s[:6]) @ vh[:6]
+    weighted_err = float((w * (a @ b - table)).norm())
+    plain_err = float((w * (plain - table)).norm())
+    tail = torch.linalg.svdvals(w * table)[6:]  # Eckart-Young in the weighted norm
+    assert weighted_err == pytest.approx(float(tail.norm()), rel=1e-9)
+    assert weighted_err < 0.95 * plain_err
+
+
+def test_optimize_weighs_table_rows_by_lookup_frequency_and_holds_on_other_batches(tmp_path):
+    from comera_compile.nn import TTEmbedding
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(2000, 64)
+            self.head = nn.Linear(64, 64)
+
+        def forward(self, ids):
+            return self.head(self.table(ids))
+
+    torch.manual_seed(0)
+    teacher = Bag().eval()
+    calibration = _zipf_ids(2048, 2000, seed=0).reshape(32, 64)
+    held_out = _zipf_ids(2048, 2000, seed=7).reshape(32, 64)  # other draws, same language
+    errors, students = {}, {}
+    for name, example in (("plain", None), ("weighted", calibration)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            students[name] = cc.optimize(copy.deepcopy(teacher), 0.3, example_inputs=example,
+                                         init="dense", compile=False, format="tt",
+                                         exclude=["head"])
+        with torch.no_grad():
+            want = teacher.table(held_out)
+            errors[name] = float((students[name].table(held_out) - want).norm() / want.norm())
+    table = students["weighted"].table
+    assert isinstance(table, TTEmbedding)
+    assert list(table.row_modes) == [2000, 1] and list(table.col_modes) == [1, 64]
+    assert errors["weighted"] < 0.85 * errors["plain"]
+    assert "rows weighted by how often" in str(cc.summary(students["weighted"]))
+    params = sum(p.numel() for p in students["weighted"].parameters())
+    assert params <= 0.3 * sum(p.numel() for p in teacher.parameters()) * 1.01
+    cc.save(students["weighted"], tmp_path)  # the low-rank layout loads back exactly
+    loaded = cc.load(tmp_path, model=Bag()).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(held_out), students["weighted"](held_out))

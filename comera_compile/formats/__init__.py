@@ -31,6 +31,8 @@ from .layout import (
     ChainLayout,
     chain_layout,
     check_low_rank,
+    is_lowrank_table,
+    lowrank_table_modes,
     modes_cover,
 )
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
@@ -58,6 +60,8 @@ __all__ = [
     "chain_layout",
     "chain_ranks",
     "check_low_rank",
+    "is_lowrank_table",
+    "lowrank_table_modes",
     "choose_order",
     "clip_ranks",
     "core_params",

@@ -116,3 +116,15 @@ def chain_layout(
             f"need the same length; {fix}"
         )
     return ChainLayout(ms, ns, fit_ranks([m * n for m, n in zip(ms, ns)], ranks))
+
+
+def lowrank_table_modes(rows: int, dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Row and column modes that make a TT table low rank: cores ``(1, rows, 1, r)`` and
+    ``(r, 1, dim, 1)``, so the table is ``A @ B`` and one lookup costs ``r * dim``."""
+    return (int(rows), 1), (1, int(dim))
+
+
+def is_lowrank_table(row_modes: Sequence[int], col_modes: Sequence[int]) -> bool:
+    """Whether a TT table's modes are the low-rank layout of ``lowrank_table_modes``."""
+    return (len(row_modes) == 2 and len(col_modes) == 2 and int(row_modes[1]) == 1
+            and int(col_modes[0]) == 1)

@@ -17,6 +17,13 @@ How the map back folds into the cores depends on the format:
 
 ``damping`` adds that share of the Gram's mean eigenvalue to its diagonal: directions the
 calibration text never excited keep some weight, so the result still holds on other text.
+
+An embedding table's inputs are one-hot ids, so its Gram is diagonal: how often each row is
+looked up. Weighing rows by the square root of that frequency makes the truncation error
+the output's; it folds exactly into the row factor of a low-rank table (``V x r`` times
+``r x D``), not into a chain over factored vocabulary modes. Most rows of a vocabulary are
+never seen in one calibration batch, so tables take a much larger damping
+(``TABLE_DAMPING``): an unseen row weighs as an average row, a frequent one more.
 """
 
 from __future__ import annotations
@@ -32,6 +39,29 @@ from .ranks import internal_ranks
 from .ttm import ttm_svd
 
 DEFAULT_DAMPING = 0.01
+TABLE_DAMPING = 1.0
+
+
+def row_weights(frequencies: Tensor, damping: float = TABLE_DAMPING) -> Tensor:
+    """Per table row, ``sqrt(f + damping * mean(f))`` (float64) for lookup frequencies ``f``:
+    the diagonal whitening of an embedding table."""
+    f = frequencies.detach().double().clamp_min(0)
+    mean = float(f.mean()) if f.numel() else 0.0
+    if not math.isfinite(mean) or mean <= 0:
+        return torch.ones_like(f)
+    return (f + max(damping, 1e-10) * mean).sqrt()
+
+
+def weighted_lowrank_table(
+    table: Tensor, frequencies: Tensor, rank: int, damping: float = TABLE_DAMPING
+) -> tuple[Tensor, Tensor]:
+    """``(A, B)`` with ``A @ B`` the rank-``rank`` table closest to ``table`` in the
+    frequency-weighted norm (the output error of lookups at those frequencies)."""
+    w = row_weights(frequencies, damping)[:, None]
+    u, s, vh = torch.linalg.svd(w * table.double(), full_matrices=False)
+    rank = min(rank, s.numel())
+    left = (u[:, :rank] * s[:rank]) / w
+    return left.to(table.dtype), vh[:rank].to(table.dtype)
 
 
 def pad_gram(gram: Tensor, size: int) -> Tensor:

@@ -27,12 +27,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from comera_compile.formats import (
     chain_layout,
+    is_lowrank_table,
     lookup_fan_ins,
     ttm_random_cores,
     ttm_svd,
     ttm_to_dense,
     zero_pad,
 )
+from comera_compile.formats.whiten import weighted_lowrank_table
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
 from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
@@ -217,9 +219,15 @@ class TTEmbedding(TensorizedLayer):
         module: nn.Embedding | nn.EmbeddingBag,
         ranks: int | Sequence[int] | None = None,
         tolerance: float | None = None,
+        row_frequencies: Tensor | None = None,
         **kwargs,
     ) -> TTEmbedding:
-        """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``)."""
+        """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``).
+
+        ``row_frequencies`` (how often each row is looked up, e.g. counted on example
+        batches) makes the truncation keep what lookups at those frequencies see
+        (``formats.whiten``); it needs the low-rank layout (``lowrank_table_modes``).
+        """
         layer = cls(
             module.num_embeddings,
             module.embedding_dim,
@@ -230,9 +238,12 @@ class TTEmbedding(TensorizedLayer):
         )
         rows, cols = layer.padded_shape
         table = zero_pad(module.weight.detach(), rows, cols)
-        cores = ttm_svd(
-            table, layer.row_modes, layer.col_modes, max_rank=ranks, tolerance=tolerance
-        )
+        if row_frequencies is None:
+            cores = ttm_svd(
+                table, layer.row_modes, layer.col_modes, max_rank=ranks, tolerance=tolerance
+            )
+        else:
+            cores = _weighted_lowrank_cores(layer, table, row_frequencies, ranks, tolerance)
         layer._set_cores(cores)
         return layer
 
@@ -243,6 +254,31 @@ class TTEmbedding(TensorizedLayer):
     def extra_repr(self) -> str:
         bag = f", mode={self.mode!r}" if self.mode else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
+
+
+def _weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tensor,
+                            ranks: int | Sequence[int] | None,
+                            tolerance: float | None) -> list[Tensor]:
+    if not is_lowrank_table(layer.row_modes, layer.col_modes):
+        raise ValueError(
+            f"row_frequencies need the low-rank table layout, row_modes ({layer.num_embeddings}, "
+            f"1) and col_modes (1, {layer.embedding_dim}); got {list(layer.row_modes)} and "
+            f"{list(layer.col_modes)}"
+        )
+    if tolerance is not None:
+        raise ValueError("row_frequencies take ranks=, not tolerance=")
+    if frequencies.numel() != table.shape[0]:
+        raise ValueError(f"row_frequencies has {frequencies.numel()} entries for a table of "
+                         f"{table.shape[0]} rows")
+    if ranks is None:
+        rank = min(table.shape)
+    elif isinstance(ranks, int):
+        rank = ranks
+    else:
+        (rank,) = [int(r) for r in ranks if int(r) != 1] or [1]
+    left, right = weighted_lowrank_table(table, frequencies.to(table.device), rank)
+    r = left.shape[1]
+    return [left.reshape(1, table.shape[0], 1, r), right.reshape(r, 1, table.shape[1], 1)]
 
 
 def dense_options(module: nn.Embedding | nn.EmbeddingBag) -> dict:

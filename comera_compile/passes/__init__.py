@@ -26,6 +26,7 @@ from comera_compile.passes.select import (
     Selection,
     eligible_options,
     select_layers,
+    weigh_tables,
 )
 from comera_compile.passes.shapes import LayerShape, ShapeInfo, propagate_shapes
 from comera_compile.passes.specs import LayerSpec, check_format
@@ -49,6 +50,7 @@ __all__ = [
     "check_format",
     "check_init",
     "eligible_options",
+    "weigh_tables",
     "exact_graph_module",
     "find_candidates",
     "fuse_captured",

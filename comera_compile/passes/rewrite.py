@@ -13,7 +13,15 @@ import math
 import torch
 from torch import nn
 
-from comera_compile.formats import COLA, LOWRANK, TT, TT_EMBEDDING, TTM, chain_norm
+from comera_compile.formats import (
+    COLA,
+    LOWRANK,
+    TT,
+    TT_EMBEDDING,
+    TTM,
+    chain_norm,
+    is_lowrank_table,
+)
 from comera_compile.nn import (
     DEFAULT_THRESHOLD,
     CoLALinear,
@@ -101,7 +109,8 @@ def build_layer(
     """The layer ``spec`` describes: random cores, or a TT-SVD of the current weights.
 
     A layer on the meta device gets its cores on ``device`` (its dense weight never exists).
-    ``gram``: a Linear's input Gram; the TT-SVD then truncates what its outputs feel.
+    ``gram``: a Linear's input Gram; the TT-SVD then truncates what its outputs feel (a
+    low-rank table's row frequencies do the same for its lookups).
     """
     ranks = list(spec.ranks)
     meta = cand.weight.is_meta
@@ -122,8 +131,10 @@ def build_layer(
     internal = ranks[1:-1]
     with torch.no_grad():
         if cand.is_embedding:
+            weighed = gram is not None and is_lowrank_table(spec.in_modes, spec.out_modes)
             return TTEmbedding.from_dense(
-                cand.module, ranks=internal, row_modes=spec.in_modes, col_modes=spec.out_modes
+                cand.module, ranks=internal, row_modes=spec.in_modes, col_modes=spec.out_modes,
+                row_frequencies=gram if weighed else None,
             )
         cls = LINEAR_CLASSES[spec.format]
         return cls.from_dense(

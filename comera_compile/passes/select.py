@@ -18,7 +18,14 @@ from typing import Any
 
 from torch import nn
 
-from comera_compile.formats import COLA, LOWRANK, TT_EMBEDDING, chain_layout
+from comera_compile.formats import (
+    COLA,
+    LOWRANK,
+    TT_EMBEDDING,
+    chain_layout,
+    is_lowrank_table,
+    lowrank_table_modes,
+)
 from comera_compile.passes.allocate import (
     MIN_COMPRESSION,
     LayerPlan,
@@ -79,6 +86,7 @@ class _Option:
     spectrum: Spectrum | None = None
     why: str = ""  # why this order (modes per side)
     held: str = ""  # why it stays dense unless the budget needs it
+    configured: bool = False  # the user's layer_config names this layer
 
     def spec(self, rank: int | list[int]) -> LayerSpec:
         if self.fixed is not None:
@@ -221,6 +229,7 @@ def eligible_options(
             continue
         if cfg is not None:
             option = _configured(cand, cfg, fmt, named)
+            option.configured = True
         else:
             layer_fmt = _format_for(cand, None, fmt, cand.name)
             ins, outs = auto_modes(cand, layer_fmt)
@@ -240,6 +249,24 @@ def eligible_options(
             option.cap = max(ordered.ranks)
         options.append(option)
     return options, skipped
+
+
+def weigh_tables(options: list[_Option], grams: dict, max_rank: int | None) -> None:
+    """Give each embedding table with row frequencies in ``grams`` (and no layer_config)
+    the low-rank layout, in place: the one table layout whose truncation can weigh rows by
+    how often they are looked up (``formats.whiten``), so the frequent rows stay close."""
+    for option in options:
+        cand = option.cand
+        if not cand.is_embedding or option.configured or grams.get(cand.name) is None:
+            continue
+        ins, outs = lowrank_table_modes(cand.in_features, cand.out_features)
+        if make_spec(cand, TT_EMBEDDING, 1, ins, outs).params * MIN_COMPRESSION > (
+                cand.dense_params):
+            continue  # a narrow table: even rank 1 would not halve it
+        option.in_modes, option.out_modes = ins, outs
+        option.cap = _rank_cap(option, max_rank)
+        option.why = ("low rank (A B) with rows weighted by how often the example inputs "
+                      "look them up: the table layout whose truncation keeps frequent rows")
 
 
 class BudgetUnreachable(ValueError):
@@ -283,7 +310,9 @@ def layer_plan(
     if init == "dense":
         # whitened by the inputs' Gram, the spectrum's errors are already output errors
         spec = option.spec(1)
-        gram = gram if spec.format in (TT, LOWRANK) else None
+        weighs = spec.format in (TT, LOWRANK) or (
+            option.cand.is_embedding and is_lowrank_table(spec.in_modes, spec.out_modes))
+        gram = gram if weighs else None
         option.spectrum = layer_spectrum(option.cand, spec, gram)
         plan.loss = error_loss(option.spectrum, 1.0 if gram is not None else output_weight)
     else:

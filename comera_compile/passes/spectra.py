@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_compile.formats import LOWRANK
-from comera_compile.formats.whiten import whiten_tt_matrix
+from comera_compile.formats import LOWRANK, is_lowrank_table
+from comera_compile.formats.whiten import row_weights, whiten_tt_matrix
 from comera_compile.passes.candidates import CONV1D, Candidate
 from comera_compile.passes.inputs import as_call, quiet_eval
 from comera_compile.passes.specs import TT, LayerSpec
@@ -35,7 +35,8 @@ def chain_tensor(cand: Candidate, spec: LayerSpec, gram: Tensor | None = None) -
     """The weight zero-padded and arranged as the chain the layer's TT-SVD factorizes;
     with the input ``gram`` of a Linear, the whitened weight whose truncation error is the
     output's (``formats.whiten``; TT chains only: TTM's Kronecker-factored whitening is too
-    coarse to rank its layers against the others, so they keep the weight's spectrum)."""
+    coarse to rank its layers against the others, so they keep the weight's spectrum); with
+    a table's row frequencies, its rows weighted by them (low-rank tables only)."""
     weight = dense_weight(cand).float()
     ins, outs = list(spec.in_modes), list(spec.out_modes)
     tt_chain = spec.format in (TT, LOWRANK)
@@ -49,6 +50,8 @@ def chain_tensor(cand: Candidate, spec: LayerSpec, gram: Tensor | None = None) -
                             0, math.prod(rows) - matrix.shape[0]))
     if gram is not None and tt_chain:
         padded = whiten_tt_matrix(padded, gram)
+    elif gram is not None and cand.is_embedding and is_lowrank_table(rows, cols):
+        padded = padded * row_weights(gram).to(padded.dtype)[:, None]
     if tt_chain:
         return padded.reshape(*rows, *cols)
     d = len(rows)
@@ -144,20 +147,29 @@ def output_weights(
 def input_grams(
     model: nn.Module, example_inputs: Any, cands: Sequence[Candidate]
 ) -> dict[str, Tensor]:
-    """Per Linear-like layer the forward calls: the Gram ``X^T X / rows`` (float64, CPU) of
-    its inputs at ``example_inputs``, for the activation-aware truncation."""
+    """Per layer the forward calls, its input Gram at ``example_inputs`` (float64, CPU), for
+    the activation-aware truncation: ``X^T X / rows`` for a Linear-like layer; for an
+    embedding table (one-hot inputs, a diagonal Gram) its diagonal, the share of lookups
+    that hit each row."""
     grams: dict[str, list] = {}
-    names = {id(c.module): c.name for c in cands if not c.is_embedding}
+    names = {id(c.module): c for c in cands}
 
     def hook(module, inputs):
-        name = names.get(id(module))
-        if name is None or not inputs or not isinstance(inputs[0], Tensor):
+        cand = names.get(id(module))
+        if cand is None or not inputs or not isinstance(inputs[0], Tensor):
             return
         x = inputs[0].detach()
+        entry = grams.setdefault(cand.name, [0.0, 0])
+        if cand.is_embedding:
+            if x.is_floating_point() or x.numel() == 0:
+                return
+            ids = x.reshape(-1).cpu().long()
+            entry[0] = entry[0] + torch.bincount(ids, minlength=cand.in_features).double()
+            entry[1] += ids.numel()
+            return
         if not x.is_floating_point():
             return
         x2 = x.reshape(-1, x.shape[-1]).double().cpu()
-        entry = grams.setdefault(name, [0.0, 0])
         entry[0] = entry[0] + x2.T @ x2
         entry[1] += x2.shape[0]
 
@@ -169,7 +181,8 @@ def input_grams(
     finally:
         for handle in handles:
             handle.remove()
-    return {name: gram / max(rows, 1) for name, (gram, rows) in grams.items()}
+    return {name: gram / max(rows, 1) for name, (gram, rows) in grams.items()
+            if isinstance(gram, Tensor)}
 
 
 def relative_error(cand: Candidate, layer: nn.Module) -> float:
