@@ -1,11 +1,13 @@
 """Distillation: the loss helper, and the loop recovering a compressed model's outputs."""
 
 import copy
+import time
 import warnings
 
 import pytest
 import torch
 from models import MLP
+from torch import nn
 
 import comera_compile.api as cc
 from comera_compile.training import distill, distill_loss, fit_layers
@@ -180,3 +182,41 @@ def test_fit_layers_improves_every_format(fmt):
     assert error() < 0.9 * before
     again = fit_layers(student, teacher, data, steps=5, lr=1.0, progress=False)
     assert all(after <= first for first, after in again.values())  # never worse
+
+
+def test_fit_layers_solves_a_low_rank_table_in_closed_form_and_gives_its_time_away():
+    """A low-rank table's fit loss is minimised by the SVD weighted by the recorded lookup
+    frequencies: the fit sets it at once and spends no Adam time on it."""
+    from comera_compile.formats.whiten import weighted_lowrank_table
+    from comera_compile.nn import TTEmbedding
+
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(1000, 48)
+
+        def forward(self, ids):
+            return self.table(ids)
+
+    torch.manual_seed(0)
+    teacher = Lookup().eval()
+    gen = torch.Generator().manual_seed(3)
+    probs = 1.0 / torch.arange(1, 1001, dtype=torch.float64)
+    batches = [torch.multinomial(probs, 256, replacement=True, generator=gen).reshape(8, 32)
+               for _ in range(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        student = cc.optimize(copy.deepcopy(teacher), 0.3, init="dense", inplace=True,
+                              example_inputs=batches[0], compile=False)
+    table = student.table
+    assert isinstance(table, TTEmbedding) and list(table.row_modes) == [1000, 1]
+    start = time.perf_counter()
+    result = fit_layers(student, teacher, batches, time_limit=30, progress=False)
+    assert time.perf_counter() - start < 10  # no Adam steps: the time limit is not spent
+    first, after = result["table"]
+    assert after < first  # the whole fit set's frequencies beat the first batch's
+    counts = torch.bincount(torch.cat([b.reshape(-1) for b in batches]), minlength=1000)
+    freq = 0.9 * counts.double() / counts.sum() + 0.1 / 1000
+    left, right = weighted_lowrank_table(teacher.table.weight.detach(), freq,
+                                         table.ranks[1], damping=1e-6)
+    torch.testing.assert_close(table.to_dense(), left @ right, rtol=1e-4, atol=1e-5)

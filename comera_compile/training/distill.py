@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_compile.formats.whiten import gram_factor
-from comera_compile.nn import TensorizedLayer
+from comera_compile.formats import is_lowrank_table
+from comera_compile.formats.whiten import gram_factor, weighted_lowrank_table
+from comera_compile.nn import TensorizedLayer, TTEmbedding
 from comera_compile.passes.inputs import as_call, quiet_eval
 
 
@@ -169,6 +170,13 @@ class _Inputs:
         """``X^T X / rows`` of the recorded float inputs (None for ids)."""
         return None if self.gram is None else self.gram / max(self.rows, 1)
 
+    def row_frequencies(self, uniform: float, num_rows: int) -> Tensor | None:
+        """The distribution ``sampler`` draws ids from (float64), None for float inputs."""
+        if not self.ids:
+            return None
+        counts = torch.bincount(torch.cat(self.ids).long(), minlength=num_rows).double()
+        return (1 - uniform) * counts / counts.sum() + uniform / num_rows
+
     def sampler(self, sample: int, uniform: float, num_rows: int) -> Callable[[], Tensor]:
         """Inputs for one step: ids drawn by frequency (plus ``uniform`` share drawn evenly
         over the table, so unseen rows are not forgotten), or the Gram's square root, whose
@@ -236,19 +244,30 @@ def fit_layers(
     start = time.perf_counter()
     seen = {name: _Inputs() for name in names}
     _capture(teacher, batches, seen, dense, None if steps else time_limit / 3)
-    budget = {n: sum(p.numel() for p in small[n].parameters()) for n in names}
+    frequencies = {n: seen[n].row_frequencies(uniform, _num_rows(dense[n])) for n in names}
+    # a low-rank table's closed form is the optimum of its fit: no Adam time for it
+    budget = {n: 0 if _closed_form_is_optimal(small[n], frequencies[n])
+              else sum(p.numel() for p in small[n].parameters()) for n in names}
     total = sum(budget.values())
     result = {}
     for name in names:  # the time left, shared by the layers still to fit (setup included)
         time_left = time_limit - (time.perf_counter() - start)
-        limit = max(0.0, time_left) * budget[name] / total
+        limit = max(0.0, time_left) * budget[name] / total if total else 0.0
         total -= budget[name]
         setup = time.perf_counter()
         draw = seen[name].sampler(sample, uniform, _num_rows(dense[name]))
         limit -= time.perf_counter() - setup
         result[name] = _fit_one(small[name], dense[name], draw, limit, steps, lr, name,
-                                progress, seen[name].mean_gram())
+                                progress, seen[name].mean_gram(), frequencies[name])
     return result
+
+
+def _closed_form_is_optimal(layer: nn.Module, frequencies: Tensor | None) -> bool:
+    """A low-rank table with recorded ids: its frequency-weighted SVD minimises the fit's
+    loss (rows drawn at those frequencies), which Adam steps cannot beat."""
+    return (frequencies is not None and isinstance(layer, TTEmbedding)
+            and is_lowrank_table(layer.row_modes, layer.col_modes)
+            and layer.effective_ranks() == layer.ranks)
 
 
 def _num_rows(module: nn.Module) -> int:
@@ -301,10 +320,16 @@ def _dense_linear_weight(layer: nn.Module, dense: nn.Module) -> Tensor | None:
 
 
 @torch.no_grad()
-def _closed_form(layer: nn.Module, dense: nn.Module, gram: Tensor | None) -> list[Tensor] | None:
+def _closed_form(layer: nn.Module, dense: nn.Module, gram: Tensor | None,
+                 frequencies: Tensor | None = None) -> list[Tensor] | None:
     """Cores re-decomposed from the dense weight where the recorded inputs feel the error
-    least (``formats.whiten``), at the layer's ranks; None where that does not apply (an
-    embedding, a layer without a dense weight, or rank gates already switched off)."""
+    least (``formats.whiten``), at the layer's ranks; None where that does not apply (a
+    table in a TT layout, a layer without a dense weight, or rank gates switched off)."""
+    if _closed_form_is_optimal(layer, frequencies):
+        table = dense.weight.detach().float()
+        left, right = weighted_lowrank_table(table, frequencies, layer.ranks[1], damping=1e-6)
+        r = left.shape[1]
+        return [left.reshape(1, table.shape[0], 1, r), right.reshape(r, 1, table.shape[1], 1)]
     decompose = getattr(layer, "decompose_whitened", None)
     if gram is None or decompose is None:
         return None
@@ -321,7 +346,8 @@ def _closed_form(layer: nn.Module, dense: nn.Module, gram: Tensor | None) -> lis
 
 def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], limit: float,
              steps: int | None, lr: float, name: str, progress: bool,
-             gram: Tensor | None = None) -> tuple[float, float]:
+             gram: Tensor | None = None,
+             frequencies: Tensor | None = None) -> tuple[float, float]:
     """Closed-form start (linear layers: the output-aware decomposition on the recorded
     Gram, kept if it scores better), then Adam on the cores; the best state seen wins, so
     the layer's error never rises."""
@@ -349,7 +375,7 @@ def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], lim
 
     before = score()
     best, best_state = before, snapshot()
-    cores = _closed_form(layer, dense, gram)
+    cores = _closed_form(layer, dense, gram, frequencies)
     if cores is not None:
         layer._set_cores(cores)
         closed = score()
