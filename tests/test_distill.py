@@ -50,6 +50,22 @@ def test_distill_recovers_a_compressed_model():
     assert not student.training and not teacher.training  # modes given back
 
 
+def test_distill_with_a_time_limit_passes_over_the_batches_until_the_time_is_spent():
+    torch.manual_seed(0)
+    teacher = MLP((32, 64, 16)).eval()
+    data = [torch.randn(8, 32) for _ in range(3)]
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        student.net[0].weight.mul_(0.5)
+    one_pass = distill(student, teacher, data, progress=False)
+    assert len(one_pass) == 3  # neither steps nor a time limit: one pass
+    start = time.perf_counter()
+    timed = distill(student, teacher, data, time_limit=0.5, progress=False)
+    assert time.perf_counter() - start >= 0.5 and len(timed) > 3
+    once = distill(student, teacher, iter(data), steps=7, progress=False)  # an iterator
+    assert len(once) == 7
+
+
 def test_distill_names_missing_submodules():
     teacher = MLP((64, 256, 64, 32))
     with pytest.raises(ValueError, match="inplace=True"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -93,8 +93,9 @@ def distill(
 ) -> list[float]:
     """Train ``student`` to reproduce ``teacher`` on ``batches``; returns the loss per step.
 
-    ``batches``: inputs as ``optimize``'s ``example_inputs`` (tensor, tuple or dict), cycled
-    until ``steps`` (one pass when None) or ``time_limit`` seconds. ``output_fn(output,
+    ``batches``: inputs as ``optimize``'s ``example_inputs`` (tensor, tuple or dict), passed
+    over again and again until ``steps`` or ``time_limit`` seconds (one pass when neither is
+    given). ``output_fn(output,
     batch)`` picks the tensor to match (default ``model_output``); ``layers`` adds the outputs
     of those submodules, weighted by ``layer_weight``. The teacher is never updated; the
     student runs without dropout unless ``dropout=True``, and gets its mode back afterwards.
@@ -106,7 +107,7 @@ def distill(
     if not params:
         raise ValueError("the student has no trainable parameters")
     optimizer = optimizer or torch.optim.Adam(params, lr=lr)
-    data = itertools.cycle(batches) if steps is not None else iter(batches)
+    data = _repeated(batches) if steps is not None or time_limit is not None else iter(batches)
     stream = itertools.islice(data, steps) if steps is not None else data
     recorders = [_Recorder(teacher, layers, "the teacher"), _Recorder(student, layers,
                                                                         "the student")]
@@ -143,6 +144,20 @@ def distill(
         if bar is not None:
             bar.close()
     return losses
+
+
+def _repeated(batches: Iterable[Any]) -> Iterator[Any]:
+    """Pass after pass over ``batches`` (a one-shot iterator: what it gave, replayed)."""
+    if iter(batches) is batches:
+        yield from itertools.cycle(batches)
+        return
+    while True:
+        empty = True
+        for batch in batches:
+            empty = False
+            yield batch
+        if empty:
+            return
 
 
 class _Enough(Exception):
