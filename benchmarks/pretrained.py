@@ -65,12 +65,12 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=2433, help="training sentences")
     parser.add_argument("--seconds", type=float, default=150.0,
                         help="recovery time per compressed model (layer fit + distillation)")
-    parser.add_argument("--fit-share", type=float, default=0.5,
+    parser.add_argument("--fit-share", type=float, default=0.25,
                         help="share of --seconds for the layer-local fit (0: distill only)")
     parser.add_argument("--fit-lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--lr", type=float, default=1e-4, help="distillation learning rate")
     parser.add_argument("--held-out", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--results-name", default="pretrained")

@@ -61,9 +61,9 @@ def main() -> None:
     print(f"cosine to the dense model after init='dense':  {score():.3f}")
 
     seconds = 60 * args.minutes
-    cc.training.fit_layers(student, teacher, train, time_limit=0.3 * seconds)
+    cc.training.fit_layers(student, teacher, train, time_limit=0.25 * seconds)
     print(f"after fitting each layer to its original:      {score():.3f}")
-    losses = cc.training.distill(student, teacher, train, lr=3e-5, time_limit=0.7 * seconds,
+    losses = cc.training.distill(student, teacher, train, lr=1e-4, time_limit=0.75 * seconds,
                                  output_fn=sentence_embedding)
     print(f"after {len(losses)} steps of distillation:       "
           f"{score():.3f}")

@@ -82,7 +82,7 @@ def distill(
     batches: Iterable[Any],
     *,
     steps: int | None = None,
-    lr: float = 1e-3,
+    lr: float = 1e-4,
     optimizer: torch.optim.Optimizer | None = None,
     output_fn: Callable[[Any, Any], Tensor] | None = None,
     layers: Sequence[str] = (),
@@ -99,6 +99,8 @@ def distill(
     batch)`` picks the tensor to match (default ``model_output``); ``layers`` adds the outputs
     of those submodules, weighted by ``layer_weight``. The teacher is never updated; the
     student runs without dropout unless ``dropout=True``, and gets its mode back afterwards.
+    The default ``lr`` suits a student initialised from the teacher's weights (on MiniLM,
+    1e-4 and 3e-4 recovered more than 3e-5 or 1e-3 in the same time).
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be a positive int or None, got {steps!r}")
