@@ -189,3 +189,26 @@ def test_optimize_weighs_table_rows_by_lookup_frequency_and_holds_on_other_batch
     loaded = cc.load(tmp_path, model=Bag()).eval()
     with torch.no_grad():
         assert torch.equal(loaded(held_out), students["weighted"](held_out))
+
+
+def test_a_tied_table_counts_the_lookups_made_through_its_other_modules():
+    """T5's ``shared`` table is looked up through ``encoder.embed_tokens`` and friends, other
+    modules holding the same weight: their lookups are the table's frequencies."""
+    from comera_compile.passes import find_candidates, input_grams
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Embedding(500, 32)
+            self.encoder = nn.Embedding(500, 32)
+            self.encoder.weight = self.shared.weight
+
+        def forward(self, ids):
+            return self.encoder(ids)
+
+    model = Tied()
+    table = next(c for c in find_candidates(model) if c.name == "shared")
+    assert table.aliases == ["encoder"]
+    ids = torch.tensor([[1, 1, 1, 7]])
+    freq = input_grams(model, ids, [table])["shared"]
+    assert freq.shape == (500,) and freq[1] == 0.75 and freq[7] == 0.25 and freq.sum() == 1

@@ -153,6 +153,12 @@ def input_grams(
     that hit each row."""
     grams: dict[str, list] = {}
     names = {id(c.module): c for c in cands}
+    for cand in cands:  # a tied table looked up through other modules (T5's shared one)
+        for alias in cand.aliases:
+            try:
+                names.setdefault(id(model.get_submodule(alias)), cand)
+            except AttributeError:
+                pass
 
     def hook(module, inputs):
         cand = names.get(id(module))
@@ -173,7 +179,8 @@ def input_grams(
         entry[0] = entry[0] + x2.T @ x2
         entry[1] += x2.shape[0]
 
-    handles = [c.module.register_forward_pre_hook(hook) for c in cands if id(c.module) in names]
+    handles = [module.register_forward_pre_hook(hook) for module in model.modules()
+               if id(module) in names]
     args, kwargs = as_call(example_inputs)
     try:
         with quiet_eval(model), torch.no_grad():
