@@ -34,7 +34,7 @@ from comera_compile.formats import (
     ttm_to_dense,
     zero_pad,
 )
-from comera_compile.formats.whiten import weighted_lowrank_table
+from comera_compile.formats.whiten import TABLE_DAMPING, weighted_lowrank_table
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
 from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
@@ -243,7 +243,9 @@ class TTEmbedding(TensorizedLayer):
                 table, layer.row_modes, layer.col_modes, max_rank=ranks, tolerance=tolerance
             )
         else:
-            cores = _weighted_lowrank_cores(layer, table, row_frequencies, ranks, tolerance)
+            if tolerance is not None:
+                raise ValueError("row_frequencies take ranks=, not tolerance=")
+            cores = weighted_lowrank_cores(layer, table, row_frequencies, ranks)
         layer._set_cores(cores)
         return layer
 
@@ -256,17 +258,17 @@ class TTEmbedding(TensorizedLayer):
         return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
 
 
-def _weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tensor,
-                            ranks: int | Sequence[int] | None,
-                            tolerance: float | None) -> list[Tensor]:
+def weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tensor,
+                           ranks: int | Sequence[int] | None,
+                           damping: float = TABLE_DAMPING) -> list[Tensor]:
+    """Cores for ``layer`` (the low-rank layout) of the rank-``ranks`` table closest to
+    ``table`` with rows weighed by their lookup ``frequencies`` (``formats.whiten``)."""
     if not is_lowrank_table(layer.row_modes, layer.col_modes):
         raise ValueError(
             f"row_frequencies need the low-rank table layout, row_modes ({layer.num_embeddings}, "
             f"1) and col_modes (1, {layer.embedding_dim}); got {list(layer.row_modes)} and "
             f"{list(layer.col_modes)}"
         )
-    if tolerance is not None:
-        raise ValueError("row_frequencies take ranks=, not tolerance=")
     if frequencies.numel() != table.shape[0]:
         raise ValueError(f"row_frequencies has {frequencies.numel()} entries for a table of "
                          f"{table.shape[0]} rows")
@@ -276,7 +278,7 @@ def _weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tens
         rank = ranks
     else:
         (rank,) = [int(r) for r in ranks if int(r) != 1] or [1]
-    left, right = weighted_lowrank_table(table, frequencies.to(table.device), rank)
+    left, right = weighted_lowrank_table(table, frequencies.to(table.device), rank, damping)
     r = left.shape[1]
     return [left.reshape(1, table.shape[0], 1, r), right.reshape(r, 1, table.shape[1], 1)]
 

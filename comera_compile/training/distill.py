@@ -27,8 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from comera_compile.formats import is_lowrank_table
-from comera_compile.formats.whiten import gram_factor, weighted_lowrank_table
+from comera_compile.formats.whiten import gram_factor
 from comera_compile.nn import TensorizedLayer, TTEmbedding
+from comera_compile.nn.tt_embedding import weighted_lowrank_cores
 from comera_compile.passes.inputs import as_call, quiet_eval
 
 
@@ -342,11 +343,9 @@ def _closed_form(layer: nn.Module, dense: nn.Module, gram: Tensor | None,
     """Cores re-decomposed from the dense weight where the recorded inputs feel the error
     least (``formats.whiten``), at the layer's ranks; None where that does not apply (a
     table in a TT layout, a layer without a dense weight, or rank gates switched off)."""
-    if _closed_form_is_optimal(layer, frequencies):
-        table = dense.weight.detach().float()
-        left, right = weighted_lowrank_table(table, frequencies, layer.ranks[1], damping=1e-6)
-        r = left.shape[1]
-        return [left.reshape(1, table.shape[0], 1, r), right.reshape(r, 1, table.shape[1], 1)]
+    if _closed_form_is_optimal(layer, frequencies):  # the fit's own distribution, undamped
+        return weighted_lowrank_cores(layer, dense.weight.detach().float(), frequencies,
+                                      layer.ranks[1], damping=1e-6)
     decompose = getattr(layer, "decompose_whitened", None)
     if gram is None or decompose is None:
         return None
