@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from comera_compile.formats import (
     chain_layout,
+    internal_ranks,
     is_lowrank_table,
     lookup_fan_ins,
     ttm_random_cores,
@@ -272,12 +273,7 @@ def weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tenso
     if frequencies.numel() != table.shape[0]:
         raise ValueError(f"row_frequencies has {frequencies.numel()} entries for a table of "
                          f"{table.shape[0]} rows")
-    if ranks is None:
-        rank = min(table.shape)
-    elif isinstance(ranks, int):
-        rank = ranks
-    else:
-        (rank,) = [int(r) for r in ranks if int(r) != 1] or [1]
+    rank = min(table.shape) if ranks is None else internal_ranks(ranks, 2)[0]
     left, right = weighted_lowrank_table(table, frequencies.to(table.device), rank, damping)
     r = left.shape[1]
     return [left.reshape(1, table.shape[0], 1, r), right.reshape(r, 1, table.shape[1], 1)]
