@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 import warnings
 
 import torch
@@ -61,9 +62,11 @@ def main() -> None:
     print(f"cosine to the dense model after init='dense':  {score():.3f}")
 
     seconds = 60 * args.minutes
+    start = time.perf_counter()
     cc.training.fit_layers(student, teacher, train, time_limit=0.25 * seconds)
     print(f"after fitting each layer to its original:      {score():.3f}")
-    losses = cc.training.distill(student, teacher, train, lr=1e-4, time_limit=0.75 * seconds,
+    rest = seconds - (time.perf_counter() - start)  # what the layer fit left
+    losses = cc.training.distill(student, teacher, train, time_limit=rest,
                                  output_fn=sentence_embedding)
     print(f"after {len(losses)} steps of distillation:       "
           f"{score():.3f}")

@@ -236,3 +236,53 @@ def test_fit_layers_solves_a_low_rank_table_in_closed_form_and_gives_its_time_aw
     left, right = weighted_lowrank_table(teacher.table.weight.detach(), freq,
                                          table.ranks[1], damping=1e-6)
     torch.testing.assert_close(table.to_dense(), left @ right, rtol=1e-4, atol=1e-5)
+
+
+def test_fit_layers_sets_a_low_rank_linear_to_its_whitened_svd_and_gives_its_time_away():
+    """A plain low-rank layer's fit loss is minimised by the SVD of its weight whitened by
+    the recorded input Gram (Eckart-Young in the output norm): the fit sets it and spends
+    no Adam time on it."""
+    from comera_compile.nn import LowRankLinear
+
+    torch.manual_seed(0)
+    teacher = _Block().eval()
+    data = [_skewed(64, seed) for seed in range(1, 9)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        student = cc.optimize(copy.deepcopy(teacher), 0.3, init="dense", format="lowrank",
+                              inplace=True, compile=False)
+    layer = student.up
+    assert type(layer) is LowRankLinear
+    start = time.perf_counter()
+    before, after = fit_layers(student, teacher, data, time_limit=30, progress=False)["up"]
+    assert time.perf_counter() - start < 10  # no Adam steps: the time limit is not spent
+    x = torch.cat(data).double()
+    weight = teacher.up.weight.detach().double()
+    factor = torch.linalg.cholesky(x.T @ x / len(x))
+    spectrum = torch.linalg.svdvals(factor.T @ weight.T)
+    best = float((spectrum[layer.rank:] ** 2).sum() / (spectrum**2).sum())
+    with torch.no_grad():
+        error = x @ (layer.to_dense().double() - weight).T
+    got = float(error.square().sum() / (x @ weight.T).square().sum())
+    assert after <= before and got < 1.05 * best, (got, best)
+
+
+def test_distill_decays_the_rate_over_its_budget_and_gives_it_back():
+    torch.manual_seed(0)
+    teacher = MLP((16, 32, 8)).eval()
+    student = copy.deepcopy(teacher)
+    data = [torch.randn(4, 16) for _ in range(3)]
+    seen = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    opt = Recording(student.parameters(), lr=0.1)
+    distill(student, teacher, data, steps=10, optimizer=opt, progress=False)
+    torch.testing.assert_close(seen, [0.1 * (1 - k / 10) for k in range(10)])
+    assert opt.param_groups[0]["lr"] == 0.1
+    seen.clear()
+    distill(student, teacher, data, steps=4, optimizer=opt, decay=False, progress=False)
+    assert seen == [0.1] * 4

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from comera_compile.formats import is_lowrank_table
 from comera_compile.formats.whiten import gram_factor
-from comera_compile.nn import TensorizedLayer, TTEmbedding
+from comera_compile.nn import LowRankLinear, TensorizedLayer, TTEmbedding
 from comera_compile.nn.tt_embedding import weighted_lowrank_cores
 from comera_compile.passes.inputs import as_call, quiet_eval
 
@@ -83,12 +83,13 @@ def distill(
     batches: Iterable[Any],
     *,
     steps: int | None = None,
-    lr: float = 1e-4,
+    lr: float = 3e-4,
     optimizer: torch.optim.Optimizer | None = None,
     output_fn: Callable[[Any, Any], Tensor] | None = None,
     layers: Sequence[str] = (),
     layer_weight: float = 1.0,
     time_limit: float | None = None,
+    decay: bool = True,
     dropout: bool = False,
     progress: bool = True,
 ) -> list[float]:
@@ -100,8 +101,11 @@ def distill(
     batch)`` picks the tensor to match (default ``model_output``); ``layers`` adds the outputs
     of those submodules, weighted by ``layer_weight``. The teacher is never updated; the
     student runs without dropout unless ``dropout=True``, and gets its mode back afterwards.
-    The default ``lr`` suits a student initialised from the teacher's weights (on MiniLM,
-    1e-4 and 3e-4 recovered more than 3e-5 or 1e-3 in the same time).
+    With ``decay`` and a ``steps`` or ``time_limit`` budget, every group's rate falls
+    linearly toward zero over that budget (by steps, or by seconds spent), so the last
+    steps refine instead of jittering around the optimum; the groups get their rates back
+    afterwards. The default ``lr`` is the peak that suits a student initialised from the
+    teacher's weights (``benchmarks/pretrained.py --lr`` compares peaks on MiniLM).
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be a positive int or None, got {steps!r}")
@@ -119,9 +123,15 @@ def distill(
     teacher.eval()
     losses: list[float] = []
     bar = _progress(steps, progress)
+    peaks = [group["lr"] for group in optimizer.param_groups]
     start = time.perf_counter()
     try:
         for batch in stream:
+            if decay and (steps is not None or time_limit is not None):
+                done = (len(losses) / steps if steps is not None
+                        else (time.perf_counter() - start) / time_limit)
+                for group, peak in zip(optimizer.param_groups, peaks):
+                    group["lr"] = peak * max(0.0, 1.0 - done)
             args, kwargs = as_call(batch)
             with torch.no_grad():
                 target = pick(teacher(*args, **kwargs), batch)
@@ -140,6 +150,8 @@ def distill(
             if time_limit is not None and time.perf_counter() - start > time_limit:
                 break
     finally:
+        for group, peak in zip(optimizer.param_groups, peaks):
+            group["lr"] = peak
         for recorder in recorders:
             recorder.remove()
         for module, mode in modes:
@@ -263,8 +275,9 @@ def fit_layers(
     seen = {name: _Inputs() for name in names}
     _capture(teacher, batches, seen, dense, None if steps else time_limit / 3)
     frequencies = {n: seen[n].row_frequencies(uniform, _num_rows(dense[n])) for n in names}
-    # a low-rank table's closed form is the optimum of its fit: no Adam time for it
-    budget = {n: 0 if _closed_form_is_optimal(small[n], frequencies[n])
+    # a low-rank layer's closed form is the optimum of its fit: no Adam time for it
+    budget = {n: 0 if _closed_form_is_optimal(small[n], frequencies[n], seen[n].gram,
+                                                 dense[n])
               else sum(p.numel() for p in small[n].parameters()) for n in names}
     total = sum(budget.values())
     result = {}
@@ -280,12 +293,18 @@ def fit_layers(
     return result
 
 
-def _closed_form_is_optimal(layer: nn.Module, frequencies: Tensor | None) -> bool:
-    """A low-rank table with recorded ids: its frequency-weighted SVD minimises the fit's
-    loss (rows drawn at those frequencies), which Adam steps cannot beat."""
-    return (frequencies is not None and isinstance(layer, TTEmbedding)
-            and is_lowrank_table(layer.row_modes, layer.col_modes)
-            and layer.effective_ranks() == layer.ranks)
+def _closed_form_is_optimal(layer: nn.Module, frequencies: Tensor | None,
+                            gram: Tensor | None = None, dense: nn.Module | None = None) -> bool:
+    """Whether the closed form minimises the layer's fit loss, which Adam steps then cannot
+    beat: a low-rank table with recorded ids (its frequency-weighted SVD), or a plain
+    low-rank linear layer with a recorded input Gram (its whitened SVD; not CoLA, whose
+    bond nonlinearity the SVD does not model)."""
+    if not isinstance(layer, TensorizedLayer) or layer.effective_ranks() != layer.ranks:
+        return False
+    if isinstance(layer, TTEmbedding):
+        return frequencies is not None and is_lowrank_table(layer.row_modes, layer.col_modes)
+    return (gram is not None and type(layer) is LowRankLinear
+            and dense is not None and _dense_linear_weight(layer, dense) is not None)
 
 
 def _num_rows(module: nn.Module) -> int:
