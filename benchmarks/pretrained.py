@@ -70,8 +70,7 @@ def main() -> None:
     parser.add_argument("--fit-lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-4,
-                        help="distillation's peak learning rate (decayed to 0 over the time)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="distillation learning rate")
     parser.add_argument("--held-out", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--results-name", default="pretrained")

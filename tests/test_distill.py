@@ -266,23 +266,3 @@ def test_fit_layers_sets_a_low_rank_linear_to_its_whitened_svd_and_gives_its_tim
     got = float(error.square().sum() / (x @ weight.T).square().sum())
     assert after <= before and got < 1.05 * best, (got, best)
 
-
-def test_distill_decays_the_rate_over_its_budget_and_gives_it_back():
-    torch.manual_seed(0)
-    teacher = MLP((16, 32, 8)).eval()
-    student = copy.deepcopy(teacher)
-    data = [torch.randn(4, 16) for _ in range(3)]
-    seen = []
-
-    class Recording(torch.optim.SGD):
-        def step(self, closure=None):
-            seen.append(self.param_groups[0]["lr"])
-            return super().step(closure)
-
-    opt = Recording(student.parameters(), lr=0.1)
-    distill(student, teacher, data, steps=10, optimizer=opt, progress=False)
-    torch.testing.assert_close(seen, [0.1 * (1 - k / 10) for k in range(10)])
-    assert opt.param_groups[0]["lr"] == 0.1
-    seen.clear()
-    distill(student, teacher, data, steps=4, optimizer=opt, decay=False, progress=False)
-    assert seen == [0.1] * 4
