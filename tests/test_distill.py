@@ -266,3 +266,40 @@ def test_fit_layers_sets_a_low_rank_linear_to_its_whitened_svd_and_gives_its_tim
     got = float(error.square().sum() / (x @ weight.T).square().sum())
     assert after <= before and got < 1.05 * best, (got, best)
 
+
+
+def test_fit_layers_records_a_tied_table_looked_up_through_another_module():
+    """T5's ``shared`` table is looked up through ``encoder.embed_tokens``, another module
+    holding the same weight: its ids arrive there, and a layer the teacher never calls is
+    left alone with a warning instead of failing the fit."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Embedding(300, 32)
+            self.encoder = nn.Module()
+            self.encoder.embed_tokens = nn.Embedding(300, 32)
+            self.encoder.embed_tokens.weight = self.shared.weight
+            self.unused = nn.Linear(64, 64)
+            self.proj = nn.Linear(32, 64)
+
+        def forward(self, ids):
+            return self.proj(self.encoder.embed_tokens(ids))
+
+    torch.manual_seed(0)
+    teacher = Tied().eval()
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 300, (8, 16), generator=gen) for _ in range(4)]
+    student = copy.deepcopy(teacher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        student = cc.optimize(student, 0.4, init="dense", inplace=True, compile=False,
+                              example_inputs=batches[0],
+                              include=["shared", "unused", "proj"])
+    assert "shared" in compressed_layers(student, teacher)
+    with pytest.warns(UserWarning, match="never called.*unused"):
+        result = fit_layers(student, teacher, batches, layers=["shared", "unused"], steps=20,
+                            progress=False)
+    assert "unused" not in result
+    before, after = result["shared"]
+    assert after < before

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -263,6 +264,11 @@ def fit_layers(
     start = time.perf_counter()
     seen = {name: _Inputs() for name in names}
     _capture(teacher, batches, seen, dense, None if steps else time_limit / 3)
+    unseen = [n for n in names if seen[n].gram is None and not seen[n].ids]
+    if unseen:
+        warnings.warn(f"fit_layers: the teacher never called {unseen} on these batches; "
+                      "left as they are", stacklevel=2)
+        names = [n for n in names if n not in unseen]
     frequencies = {n: seen[n].row_frequencies(uniform, _num_rows(dense[n])) for n in names}
     # a low-rank layer's closed form is the optimum of its fit: no Adam time for it
     budget = {n: 0 if _closed_form_is_optimal(small[n], frequencies[n], seen[n].gram,
@@ -314,7 +320,8 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
                     raise _Enough
         return hook
 
-    handles = [modules[n].register_forward_pre_hook(hook_for(n)) for n in seen]
+    handles = [alias.register_forward_pre_hook(hook_for(n))
+               for n in seen for alias in _aliases(teacher, modules[n])]
     try:
         with quiet_eval(teacher):
             for batch in batches:
@@ -329,6 +336,17 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _aliases(model: nn.Module, module: nn.Module) -> list[nn.Module]:
+    """``module`` and the modules of its class holding the very same weight: a tied table is
+    often looked up through another module than the one named (T5's ``shared`` through
+    ``encoder.embed_tokens``), so its inputs arrive there."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
+        return [module]
+    return [module] + [m for m in model.modules() if m is not module and type(m) is type(module)
+                       and getattr(m, "weight", None) is weight]
 
 
 def _dense_linear_weight(layer: nn.Module, dense: nn.Module) -> Tensor | None:
