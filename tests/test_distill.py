@@ -303,3 +303,31 @@ def test_fit_layers_records_a_tied_table_looked_up_through_another_module():
     assert "unused" not in result
     before, after = result["shared"]
     assert after < before
+
+
+def test_fit_layers_records_only_the_real_tokens_of_a_padded_batch():
+    """A Hugging Face batch pads short texts; padded positions are not data, and in short
+    sentences they can be most rows. The recorded Gram and ids skip them."""
+    from comera_compile.passes.inputs import real_rows, token_mask
+    from comera_compile.training.distill import _capture, _Inputs
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(50, 8)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, input_ids, attention_mask):
+            return self.proj(self.table(input_ids))
+
+    model = Tagger().eval()
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]])
+    batch = {"input_ids": ids, "attention_mask": mask}
+    seen = {"table": _Inputs(), "proj": _Inputs()}
+    _capture(model, [batch], seen, dict(model.named_modules()), None)
+    assert seen["proj"].rows == 5 and sorted(torch.cat(seen["table"].ids).tolist()) == [5, 6, 7,
+                                                                                         8, 9]
+    x = model.table(ids)[mask.bool()].double()
+    torch.testing.assert_close(seen["proj"].gram, x.T @ x)
+    assert token_mask([ids]) is None and real_rows(x, mask.bool()) is x  # no layout match

@@ -20,6 +20,23 @@ def as_call(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
+def token_mask(example_inputs: Any) -> torch.Tensor | None:
+    """The batch's ``attention_mask`` as booleans where it has a ``(batch, tokens)`` one (a
+    Hugging Face batch), else None: padded tokens are not data to fit."""
+    mask = example_inputs.get("attention_mask") if isinstance(example_inputs, dict) else None
+    return mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
+def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` at the mask's real tokens where ``x`` is laid out ``(batch, tokens, ...)`` like
+    the mask (token ids, or features with a last dimension); ``x`` itself otherwise."""
+    if mask is None or x.dim() < (2 if not x.is_floating_point() else 3):
+        return x
+    if tuple(x.shape[:2]) != tuple(mask.shape) or not mask.any():
+        return x
+    return x[mask.to(x.device)]
+
+
 def _describe_one(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from comera_compile.formats import LOWRANK, is_lowrank_table
 from comera_compile.formats.whiten import row_weights, whiten_tt_matrix
 from comera_compile.passes.candidates import CONV1D, Candidate
-from comera_compile.passes.inputs import as_call, quiet_eval
+from comera_compile.passes.inputs import as_call, quiet_eval, real_rows, token_mask
 from comera_compile.passes.specs import TT, LayerSpec
 
 
@@ -164,7 +164,7 @@ def input_grams(
         cand = names.get(id(module))
         if cand is None or not inputs or not isinstance(inputs[0], Tensor):
             return
-        x = inputs[0].detach()
+        x = real_rows(inputs[0].detach(), mask)
         entry = grams.setdefault(cand.name, [0.0, 0])
         if cand.is_embedding:
             if x.is_floating_point() or x.numel() == 0:
@@ -179,6 +179,7 @@ def input_grams(
         entry[0] = entry[0] + x2.T @ x2
         entry[1] += x2.shape[0]
 
+    mask = token_mask(example_inputs)  # padded tokens are not what the layers serve
     handles = [module.register_forward_pre_hook(hook) for module in model.modules()
                if id(module) in names]
     args, kwargs = as_call(example_inputs)

@@ -31,7 +31,7 @@ from comera_compile.formats import is_lowrank_table
 from comera_compile.formats.whiten import gram_factor
 from comera_compile.nn import LowRankLinear, TensorizedLayer, TTEmbedding
 from comera_compile.nn.tt_embedding import weighted_lowrank_cores
-from comera_compile.passes.inputs import as_call, quiet_eval
+from comera_compile.passes.inputs import as_call, quiet_eval, real_rows, token_mask
 
 
 def distill_loss(student: Tensor, teacher: Tensor) -> Tensor:
@@ -310,11 +310,12 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
              time_limit: float | None) -> None:
     pending: set[str] = set()
     start = time.perf_counter()
+    mask: list[Tensor | None] = [None]  # the current batch's real tokens
 
     def hook_for(name: str) -> Callable:
         def hook(module, inputs):
             if name in pending:
-                seen[name].add(inputs[0])
+                seen[name].add(real_rows(inputs[0], mask[0]))
                 pending.discard(name)
                 if not pending:
                     raise _Enough
@@ -326,6 +327,7 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
         with quiet_eval(teacher):
             for batch in batches:
                 pending.update(seen)
+                mask[0] = token_mask(batch)
                 args, kwargs = as_call(batch)
                 try:
                     teacher(*args, **kwargs)
