@@ -32,7 +32,7 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     the mask (token ids, or features with a last dimension); ``x`` itself otherwise."""
     if mask is None or x.dim() < (2 if not x.is_floating_point() else 3):
         return x
-    if tuple(x.shape[:2]) != tuple(mask.shape) or not mask.any():
+    if tuple(x.shape[:2]) != tuple(mask.shape):
         return x
     return x[mask.to(x.device)]
 

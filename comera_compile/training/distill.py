@@ -310,12 +310,12 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
              time_limit: float | None) -> None:
     pending: set[str] = set()
     start = time.perf_counter()
-    mask: list[Tensor | None] = [None]  # the current batch's real tokens
+    mask: Tensor | None = None  # the current batch's real tokens (read by the hooks)
 
     def hook_for(name: str) -> Callable:
         def hook(module, inputs):
             if name in pending:
-                seen[name].add(real_rows(inputs[0], mask[0]))
+                seen[name].add(real_rows(inputs[0], mask))
                 pending.discard(name)
                 if not pending:
                     raise _Enough
@@ -327,7 +327,7 @@ def _capture(teacher: nn.Module, batches: Iterable[Any], seen: dict, modules: di
         with quiet_eval(teacher):
             for batch in batches:
                 pending.update(seen)
-                mask[0] = token_mask(batch)
+                mask = token_mask(batch)
                 args, kwargs = as_call(batch)
                 try:
                     teacher(*args, **kwargs)
