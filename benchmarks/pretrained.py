@@ -11,7 +11,8 @@ layer fitted alone to its dense original on the inputs it sees, ``--fit-share`` 
 time), then ``distill`` (the whole model matches the teacher's sentence embedding). Both
 stages see only the ``--fit-on`` corpus; two text sources ship with Python, no download:
 the standard library's docstrings (``stdlib``) and the installed distributions'
-descriptions (``packages``). Reported: mean cosine between the student's and the teacher's
+descriptions (``packages``). ``--lr`` takes several distillation rates, a row each.
+Reported: mean cosine between the student's and the teacher's
 sentence embeddings on 256 held-out sentences of *each* corpus after ``optimize``, after the
 layer fit and after distillation, with the recovery time; written to
 ``benchmarks/results/pretrained.md``.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import sys
 import time
 import warnings
@@ -70,7 +72,8 @@ def main() -> None:
     parser.add_argument("--fit-lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-4, help="distillation learning rate")
+    parser.add_argument("--lr", type=float, nargs="+", default=[3e-4],
+                        help="distillation learning rates (a row for each)")
     parser.add_argument("--held-out", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--results-name", default="pretrained")
@@ -96,46 +99,45 @@ def main() -> None:
         return " / ".join(f"{embedding_cosine(student, teacher, held[n]):.3f}" for n in CORPORA)
 
     rows = []
-    for share in args.shares:
-        for fmt in args.formats:
-            built = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                student = cc.optimize(copy.deepcopy(teacher), share, init="dense",
-                                      example_inputs=train[0], inplace=True, compile=False,
-                                      format=fmt)
-            built = time.perf_counter() - built
-            kept = params(student) / params(teacher)
-            init = score(student)
-            start = time.perf_counter()
-            fit_s = args.seconds * args.fit_share
-            if fit_s > 0:
-                cc.training.fit_layers(student, teacher, train, time_limit=fit_s,
-                                       lr=args.fit_lr, progress=False)
-            fitted = score(student)
-            fit_spent = time.perf_counter() - start
-            rest = args.seconds - fit_spent
-            steps = 0
-            if rest > 0:
-                steps = len(cc.training.distill(student, teacher, train, lr=args.lr,
-                                                output_fn=sentence_embedding,
-                                                time_limit=rest, progress=False))
-            spent = time.perf_counter() - start
-            after = score(student)
-            rows.append((share, fmt, kept, built, init, fitted, fit_spent, after, steps, spent))
-            print(f"  {share:.2f} {fmt}: kept {kept:.3f}, optimize {built:.0f} s, cosine "
-                  f"(stdlib / packages) {init} -> {fitted} (layer fit, {fit_spent:.0f} s) -> "
-                  f"{after} ({steps} distillation steps, {spent:.0f} s recovery)", flush=True)
-    header = ("| budget | format | params kept | optimize s | cosine init | after layer fit "
-              "(s) | after distillation | distill steps | recovery s |\n"
-              "|---|---|---|---|---|---|---|---|---|\n")
+    for share, fmt, lr in itertools.product(args.shares, args.formats, args.lr):
+        built = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            student = cc.optimize(copy.deepcopy(teacher), share, init="dense",
+                                  example_inputs=train[0], inplace=True, compile=False,
+                                  format=fmt)
+        built = time.perf_counter() - built
+        kept = params(student) / params(teacher)
+        init = score(student)
+        start = time.perf_counter()
+        fit_s = args.seconds * args.fit_share
+        if fit_s > 0:
+            cc.training.fit_layers(student, teacher, train, time_limit=fit_s,
+                                   lr=args.fit_lr, progress=False)
+        fitted = score(student)
+        fit_spent = time.perf_counter() - start
+        rest = args.seconds - fit_spent
+        steps = 0
+        if rest > 0:
+            steps = len(cc.training.distill(student, teacher, train, lr=lr,
+                                            output_fn=sentence_embedding,
+                                            time_limit=rest, progress=False))
+        spent = time.perf_counter() - start
+        after = score(student)
+        rows.append((share, fmt, lr, kept, built, init, fitted, fit_spent, after, steps,
+                     spent))
+        print(f"  {share:.2f} {fmt} lr {lr:g}: kept {kept:.3f}, optimize {built:.0f} s, "
+              f"cosine (stdlib / packages) {init} -> {fitted} (layer fit, {fit_spent:.0f} s) -> "
+              f"{after} ({steps} distillation steps, {spent:.0f} s recovery)", flush=True)
+    header = ("| budget | format | distill lr | params kept | optimize s | cosine init | after "
+              "layer fit (s) | after distillation | distill steps | recovery s |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n")
     body = (f"Cosine to the dense model's sentence embedding on {args.held_out} held-out "
             f"sentences, shown as stdlib docstrings / package descriptions; recovery (layer "
             f"fit then distillation) on {args.fit_on} text only.\n\n" + header)
-    for share, fmt, kept, built, init, fitted, fit_s, after, steps, spent in rows:
-        body += (f"| {share:.2f} | {fmt} | {kept:.3f} | {built:.0f} | {init} | {fitted} "
-                 f"({fit_s:.0f}) | "
-                 f"{after} | {steps} | {spent:.0f} |\n")
+    for share, fmt, lr, kept, built, init, fitted, fit_s, after, steps, spent in rows:
+        body += (f"| {share:.2f} | {fmt} | {lr:g} | {kept:.3f} | {built:.0f} | {init} | "
+                 f"{fitted} ({fit_s:.0f}) | {after} | {steps} | {spent:.0f} |\n")
     print()
     print(body)
     print("wrote", write_results(args.results_name, "Pretrained MiniLM: compression and "

@@ -8,7 +8,8 @@ standard library's docstrings (read with ``ast``, nothing imported):
 
 1. ``fit_layers``: each compressed layer alone is fitted to its dense original on the inputs
    it sees (for the word embedding, the rows of the tokens the text uses, by frequency);
-2. ``distill``: the whole student matches the teacher's sentence embeddings.
+2. ``distill``: the whole student matches the teacher's sentence embeddings and each
+   transformer layer's output, on the same sentences regrouped by length.
 
 Printed: the mean cosine between student and teacher sentence embeddings on held-out
 sentences, before and after each stage.

@@ -331,3 +331,52 @@ def test_fit_layers_records_only_the_real_tokens_of_a_padded_batch():
     x = model.table(ids)[mask.bool()].double()
     torch.testing.assert_close(seen["proj"].gram, x.T @ x)
     assert token_mask([ids]) is None and real_rows(x, mask.bool()) is x  # no layout match
+
+
+class _Blocks(nn.Module):
+    """A stack of identical blocks in an nn.ModuleList, as a transformer's layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(),
+                                                  nn.Linear(128, 32)) for _ in range(3))
+
+    def forward(self, input_ids, attention_mask):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_distill_matches_the_blocks_and_skips_padding():
+    from comera_compile.training.distill import repeated_blocks
+    torch.manual_seed(0)
+    teacher = _Blocks().eval()
+    student = copy.deepcopy(teacher)
+    assert repeated_blocks(student, teacher) == ["layers.0", "layers.1", "layers.2"]
+    assert repeated_blocks(nn.Linear(2, 2), teacher) == []  # the student lacks them
+    with torch.no_grad():
+        for layer in student.layers:
+            layer[0].weight.mul_(0.7)
+    ids = torch.randint(1, 50, (4, 6))
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[:2, 3:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    seen = []
+    hook = student.layers[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    loss = distill(student, teacher, [batch], steps=1, lr=0.0, progress=False)[0]
+    hook.remove()
+    real = mask.bool()
+    with torch.no_grad():  # the loss over real tokens, of the output and each block's own
+        got, want, expected = student.embed(ids), teacher.embed(ids), 0.0
+        for mine, theirs in zip(student.layers, teacher.layers):
+            mine_out, their_out = mine(got), theirs(want)
+            expected += float(distill_loss(mine_out[real], their_out[real]))
+            got, want = got + mine_out, want + their_out
+        expected += float(distill_loss(got[real], want[real]))
+    assert loss == pytest.approx(expected, rel=1e-5)
+    only_output = distill(student, teacher, [batch], steps=1, lr=0.0, layers=(),
+                          progress=False)[0]
+    assert only_output == pytest.approx(float(distill_loss(got[real], want[real])), rel=1e-5)
+    assert seen[0] == (4, 6, 32)

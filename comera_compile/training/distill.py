@@ -32,6 +32,7 @@ from comera_compile.formats.whiten import gram_factor
 from comera_compile.nn import LowRankLinear, TensorizedLayer, TTEmbedding
 from comera_compile.nn.tt_embedding import weighted_lowrank_cores
 from comera_compile.passes.inputs import as_call, quiet_eval, real_rows, token_mask
+from comera_compile.training.batching import length_grouped
 
 
 def distill_loss(student: Tensor, teacher: Tensor) -> Tensor:
@@ -59,18 +60,24 @@ def model_output(output: Any) -> Tensor:
 class _Recorder:
     """Forward hooks that keep the outputs of named submodules for one call."""
 
-    def __init__(self, model: nn.Module, names: Sequence[str], role: str) -> None:
+    def __init__(self, model: nn.Module, names: Sequence[str], role: str,
+                 lenient: bool = False) -> None:
         modules = dict(model.named_modules())
         missing = [n for n in names if n not in modules]
         if missing:
             raise ValueError(f"{role} has no submodule {missing[0]!r} to match; a captured "
                              "graph inlines submodules: optimize a copy with inplace=True")
         self.outputs: dict[str, Tensor] = {}
+        self.lenient = lenient
         self.handles = [modules[n].register_forward_hook(self._hook(n)) for n in names]
 
     def _hook(self, name: str) -> Callable:
         def hook(module, inputs, output):
-            self.outputs[name] = model_output(output)
+            try:
+                self.outputs[name] = model_output(output)
+            except TypeError:
+                if not self.lenient:
+                    raise
         return hook
 
     def remove(self) -> None:
@@ -84,13 +91,14 @@ def distill(
     batches: Iterable[Any],
     *,
     steps: int | None = None,
-    lr: float = 1e-4,
+    lr: float = 3e-4,
     optimizer: torch.optim.Optimizer | None = None,
     output_fn: Callable[[Any, Any], Tensor] | None = None,
-    layers: Sequence[str] = (),
+    layers: Sequence[str] | None = None,
     layer_weight: float = 1.0,
     time_limit: float | None = None,
     dropout: bool = False,
+    group_by_length: bool = True,
     progress: bool = True,
 ) -> list[float]:
     """Train ``student`` to reproduce ``teacher`` on ``batches``; returns the loss per step.
@@ -99,11 +107,17 @@ def distill(
     over again and again until ``steps`` or ``time_limit`` seconds (one pass when neither is
     given). ``output_fn(output,
     batch)`` picks the tensor to match (default ``model_output``); ``layers`` adds the outputs
-    of those submodules, weighted by ``layer_weight``. The teacher is never updated; the
-    student runs without dropout unless ``dropout=True``, and gets its mode back afterwards.
-    The default ``lr`` suits a student initialised from the teacher's weights (on MiniLM,
-    1e-4 and 3e-4 recovered more than 3e-5 or 1e-3 in the same time; with TT layers 1e-4
-    recovered more than 3e-4, also with the rate decayed to zero over the time).
+    of those submodules, weighted by ``layer_weight``: by default the model's repeated blocks
+    (the items of its outermost ``nn.ModuleList``s that the student has too, e.g. a
+    transformer's layers), whose outputs give every block its own signal; ``()`` matches
+    the output only. Padded tokens (where a batch's ``attention_mask`` is 0) are left out
+    of every match. ``group_by_length``: right-padded text batches (a list of dicts with an
+    ``attention_mask``) are regrouped by sentence length each pass, the same rows with
+    little padding (``batching.length_grouped``); the batches are used as given otherwise.
+    The teacher is never updated; the student runs without dropout unless ``dropout=True``,
+    and gets its mode back afterwards. The default ``lr`` suits a student initialised from
+    the teacher's weights (docs/pretrained.md: on MiniLM at half its parameters, 3e-4
+    recovered more than 1e-4 and 2e-4 in the same time, and as much with TT layers).
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be a positive int or None, got {steps!r}")
@@ -112,10 +126,19 @@ def distill(
     if not params:
         raise ValueError("the student has no trainable parameters")
     optimizer = optimizer or torch.optim.Adam(params, lr=lr)
-    data = _repeated(batches) if steps is not None or time_limit is not None else iter(batches)
+    endless = steps is not None or time_limit is not None
+    grouped = (length_grouped(batches) if group_by_length and isinstance(batches, (list, tuple))
+               else None)
+    if grouped is not None:
+        data = grouped if endless else itertools.islice(grouped, len(batches))
+    else:
+        data = _repeated(batches) if endless else iter(batches)
     stream = itertools.islice(data, steps) if steps is not None else data
-    recorders = [_Recorder(teacher, layers, "the teacher"), _Recorder(student, layers,
-                                                                        "the student")]
+    lenient = layers is None  # blocks found by rule: one without a tensor output is skipped
+    if layers is None:
+        layers = repeated_blocks(student, teacher)
+    recorders = [_Recorder(teacher, layers, "the teacher", lenient),
+                 _Recorder(student, layers, "the student", lenient)]
     modes = [(m, m.training) for m in (*student.modules(), *teacher.modules())]
     student.train(dropout)
     teacher.eval()
@@ -125,13 +148,17 @@ def distill(
     try:
         for batch in stream:
             args, kwargs = as_call(batch)
+            mask = token_mask(batch)
             with torch.no_grad():
                 target = pick(teacher(*args, **kwargs), batch)
             got = pick(student(*args, **kwargs), batch)
-            loss = distill_loss(got, target)
-            for name in layers:
-                loss = loss + layer_weight * distill_loss(recorders[1].outputs[name],
-                                                          recorders[0].outputs[name])
+            loss = distill_loss(real_rows(got, mask), real_rows(target, mask))
+            for name in recorders[0].outputs.keys() & recorders[1].outputs.keys():
+                loss = loss + layer_weight * distill_loss(
+                    real_rows(recorders[1].outputs[name], mask),
+                    real_rows(recorders[0].outputs[name], mask))
+            for recorder in recorders:
+                recorder.outputs.clear()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -149,6 +176,25 @@ def distill(
         if bar is not None:
             bar.close()
     return losses
+
+
+def repeated_blocks(student: nn.Module, teacher: nn.Module) -> list[str]:
+    """The items of the teacher's outermost ``nn.ModuleList``s of two or more modules of one
+    class (a transformer's layers) that the student has under the same name and class: the
+    hidden states worth matching. A captured student (no submodules) has none."""
+    found: list[str] = []
+    mine = dict(student.named_modules())
+    for name, module in teacher.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if any(name.startswith(block + ".") for block in found):
+            continue  # a list inside a block already matched
+        if len({type(item) for item in module}) != 1:
+            continue
+        items = [f"{name}.{i}" if name else str(i) for i in range(len(module))]
+        if all(type(mine.get(item)) is type(module[i]) for i, item in enumerate(items)):
+            found += items
+    return found
 
 
 def _repeated(batches: Iterable[Any]) -> Iterator[Any]:
