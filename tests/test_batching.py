@@ -67,3 +67,5 @@ def test_what_cannot_be_regrouped_is_left_alone():
     odd = [dict(b, extra=torch.ones(3)) for b in batches]  # not per row
     assert length_grouped(odd) is None
     assert length_grouped([]) is None
+    seq2seq = [dict(b, decoder_input_ids=b["input_ids"].clone()) for b in batches]
+    assert length_grouped(seq2seq) is None  # a decoder's columns do not go with the mask's

@@ -2,9 +2,11 @@
 compute on padding when sentence lengths vary; regrouping the same rows by length leaves the
 data the same and the padding small.
 
-Only right-padded Hugging Face style batches are regrouped (dicts whose ``attention_mask`` is
-``(batch, tokens)`` with every real token before every pad): cutting trailing pad columns then
-changes no position of a real token. Anything else is passed through as it came.
+Only right-padded Hugging Face style batches are regrouped: dicts whose ``attention_mask`` is
+``(batch, tokens)`` with every real token before every pad (cutting trailing pad columns then
+changes no position of a real token), whose other entries are the encoder inputs laid out
+like it (``TOKEN_KEYS``) or one value per row. A batch with anything else (a decoder's
+inputs, sequence labels) is not regrouped: which of its columns go with which is not known.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids",
+                        "special_tokens_mask", "inputs_embeds"})
 MEGABATCH = 16  # rows are sorted by length within windows of this many batches: order stays random
 
 
@@ -26,17 +30,20 @@ def _right_padded(batch: Any) -> Tensor | None:
     mask = batch.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.dim() != 2:
         return None
-    if any(not isinstance(v, Tensor) or v.dim() == 0 or v.shape[0] != len(mask)
-           for v in batch.values()):
-        return None  # something that is not per row
+    for key, value in batch.items():
+        if not isinstance(value, Tensor):
+            return None
+        aligned = key in TOKEN_KEYS and tuple(value.shape[:2]) == tuple(mask.shape)
+        if not aligned and (value.dim() != 1 or len(value) != len(mask)):
+            return None  # neither laid out like the mask nor one value per row
     real = mask.bool()
     if bool((real[:, 1:] & ~real[:, :-1]).any()):  # a real token after a pad: not right padded
         return None
     return real
 
 
-def _per_token(value: Tensor, width: int) -> bool:
-    return value.dim() >= 2 and value.shape[1] == width
+def _per_token(key: str, value: Tensor) -> bool:
+    return key in TOKEN_KEYS and value.dim() >= 2
 
 
 def length_grouped(batches: Sequence[Any], seed: int = 0) -> Iterator[Any] | None:
@@ -80,7 +87,7 @@ def _pad_values(batches: list[dict], masks: list[Tensor], keys: list[str]) -> di
     for key in keys:
         for batch, mask in zip(batches, masks):
             value = batch[key]
-            if _per_token(value, mask.shape[1]) and not bool(mask.all()):
+            if _per_token(key, value) and not bool(mask.all()):
                 pads[key] = value[~mask][0]
                 break
         else:
@@ -97,11 +104,11 @@ def _gather(batches: list[dict], masks: list[Tensor], group: list, keys: list[st
         parts = []
         for _, i, j in group:
             value = batches[i][key][j]
-            if _per_token(batches[i][key], masks[i].shape[1]):
+            if _per_token(key, batches[i][key]):
                 value = value[:length]
                 if len(value) < length:  # from a narrower batch: pad it out
                     fill = pads[key].expand(length - len(value), *value.shape[1:])
-                    value = torch.cat([value, fill.to(value.dtype)])
+                    value = torch.cat([value, fill.to(value.device, value.dtype)])
             parts.append(value)
         out[key] = torch.stack(parts)
     return out
