@@ -11,6 +11,7 @@ inputs, sequence labels) is not regrouped: which of its columns go with which is
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -46,10 +47,12 @@ def _per_token(key: str, value: Tensor) -> bool:
     return key in TOKEN_KEYS and value.dim() >= 2
 
 
-def length_grouped(batches: Sequence[Any], seed: int = 0) -> Iterator[Any] | None:
-    """Endless passes over the rows of ``batches``, regrouped by length into batches of the
-    same size, trailing pad columns cut; a fresh random grouping each pass. None when the
-    batches are not all right-padded dicts with the same keys (use them as they are)."""
+def length_grouped(batches: Sequence[Any], seed: int = 0,
+                   passes: int | None = None) -> Iterator[Any] | None:
+    """``passes`` (None: endless) over the rows of ``batches``, regrouped by length into
+    batches of the same size, trailing pad columns cut; a fresh random grouping each pass.
+    None when the batches are not all right-padded dicts with the same keys (use them as
+    they are)."""
     masks = [_right_padded(b) for b in batches]
     if not batches or any(m is None for m in masks):
         return None
@@ -61,14 +64,14 @@ def length_grouped(batches: Sequence[Any], seed: int = 0) -> Iterator[Any] | Non
     for i, mask in enumerate(masks):
         lengths = mask.sum(1).tolist()
         rows += [(n, i, j) for j, n in enumerate(lengths)]
-    return _passes(list(batches), masks, rows, keys, size, seed)
+    return _passes(list(batches), masks, rows, keys, size, seed, passes)
 
 
 def _passes(batches: list[dict], masks: list[Tensor], rows: list, keys: list[str],
-            size: int, seed: int) -> Iterator[dict]:
+            size: int, seed: int, passes: int | None) -> Iterator[dict]:
     rng = random.Random(seed)
     pads = _pad_values(batches, masks, keys)
-    while True:
+    for _ in itertools.repeat(None) if passes is None else range(passes):
         order = rows[:]
         rng.shuffle(order)
         groups = []

@@ -127,10 +127,10 @@ def distill(
         raise ValueError("the student has no trainable parameters")
     optimizer = optimizer or torch.optim.Adam(params, lr=lr)
     endless = steps is not None or time_limit is not None
-    grouped = (length_grouped(batches) if group_by_length and isinstance(batches, (list, tuple))
-               else None)
+    grouped = (length_grouped(batches, passes=None if endless else 1)
+               if group_by_length and isinstance(batches, (list, tuple)) else None)
     if grouped is not None:
-        data = grouped if endless else itertools.islice(grouped, len(batches))
+        data = grouped
     else:
         data = _repeated(batches) if endless else iter(batches)
     stream = itertools.islice(data, steps) if steps is not None else data
