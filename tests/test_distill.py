@@ -380,3 +380,34 @@ def test_distill_matches_the_blocks_and_skips_padding():
                           progress=False)[0]
     assert only_output == pytest.approx(float(distill_loss(got[real], want[real])), rel=1e-5)
     assert seen[0] == (4, 6, 32)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "t5", "vit"])
+def test_distill_defaults_on_hugging_face_models(name):
+    """Blocks found and matched, padded text batches regrouped, on models we did not write."""
+    from hf_models import HF_MODELS
+
+    from comera_compile.training.distill import repeated_blocks
+    torch.manual_seed(0)
+    build, inputs, _ = HF_MODELS[name]()
+    teacher = build().eval()
+    batches = []
+    for seed in range(3):
+        batch = {k: v.roll(seed, 0) for k, v in inputs.items()}
+        if "input_ids" in batch and name != "t5":  # right padded, rows of other lengths
+            mask = torch.ones_like(batch["input_ids"])
+            mask[0, 4 + seed:] = 0
+            batch["attention_mask"] = mask
+        batches.append(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        student = cc.optimize(copy.deepcopy(teacher), 0.5, init="dense", inplace=True,
+                              compile=False, example_inputs=batches[0])
+    blocks = repeated_blocks(student, teacher)
+    assert len(blocks) >= 2 and all(b.rsplit(".", 1)[-1].isdigit() for b in blocks)
+    start = copy.deepcopy(student)
+    with_blocks = distill(student, teacher, batches, steps=4, lr=1e-3, progress=False)
+    output_only = distill(start, teacher, batches, steps=1, lr=0.0, layers=(),
+                          progress=False)
+    assert all(torch.isfinite(torch.tensor(with_blocks)))
+    assert with_blocks[0] > output_only[0] > 0  # the blocks' own errors are added
