@@ -116,8 +116,7 @@ def distill(
     little padding (``batching.length_grouped``); the batches are used as given otherwise.
     The teacher is never updated; the student runs without dropout unless ``dropout=True``,
     and gets its mode back afterwards. The default ``lr`` suits a student initialised from
-    the teacher's weights (docs/pretrained.md: on MiniLM at half its parameters, 3e-4
-    recovered more than 1e-4 and 2e-4 in the same time, and as much with TT layers).
+    the teacher's weights (the rates compared: ``benchmarks/results/pretrained_lr.md``).
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be a positive int or None, got {steps!r}")
@@ -153,10 +152,11 @@ def distill(
                 target = pick(teacher(*args, **kwargs), batch)
             got = pick(student(*args, **kwargs), batch)
             loss = distill_loss(real_rows(got, mask), real_rows(target, mask))
-            for name in recorders[0].outputs.keys() & recorders[1].outputs.keys():
-                loss = loss + layer_weight * distill_loss(
-                    real_rows(recorders[1].outputs[name], mask),
-                    real_rows(recorders[0].outputs[name], mask))
+            theirs, mine = recorders[0].outputs, recorders[1].outputs
+            for name in layers:  # in a fixed order: the same sum on every run
+                if name in theirs and name in mine:
+                    loss = loss + layer_weight * distill_loss(real_rows(mine[name], mask),
+                                                              real_rows(theirs[name], mask))
             for recorder in recorders:
                 recorder.outputs.clear()
             optimizer.zero_grad(set_to_none=True)
