@@ -34,6 +34,7 @@ from comera_compile.passes import (
     layer_records,
     materialize,
     on_meta,
+    output_sensitivities,
     output_weights,
     parse_budget,
     propagate_shapes,
@@ -243,7 +244,7 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
                                 named=config.format is not None)
 
     options, skipped = options_in(layer_format)
-    weights = grams = None
+    weights = grams = sensitivities = None
     if init == "dense" and on_meta(target):
         raise ValueError(
             "the model is on the meta device, so there is no weight to decompose with "
@@ -251,6 +252,7 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         )
     if init == "dense" and example_inputs is not None and budget is not None:
         weights = output_weights(target, example_inputs, [o.cand for o in options])
+        sensitivities = output_sensitivities(target, example_inputs, [o.cand for o in options])
     if init == "dense" and example_inputs is not None:
         grams = input_grams(target, example_inputs, [o.cand for o in options])
     # tried in turn until one meets the budget: tables weighed by lookup frequency (low
@@ -270,7 +272,7 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
             weigh_tables(options, grams, max_rank)
         try:
             selection = select_layers(options, skipped, budget, before, max_rank, init,
-                                      weights, grams)
+                                      weights, grams, sensitivities)
         except BudgetUnreachable:
             if (fmt, weigh) == attempts[-1]:
                 raise

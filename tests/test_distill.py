@@ -238,6 +238,15 @@ def test_fit_layers_solves_a_low_rank_table_in_closed_form_and_gives_its_time_aw
     torch.testing.assert_close(table.to_dense(), left @ right, rtol=1e-4, atol=1e-5)
 
 
+def test_fit_layers_draws_ids_evenly_at_uniform_one_and_refuses_other_shares():
+    teacher, student = _compressed_lookup(0.5)
+    batches = [torch.randint(1000, (4, 16)) for _ in range(2)]
+    result = fit_layers(student, teacher, batches, steps=3, uniform=1.0, progress=False)
+    assert result["table"][1] <= result["table"][0]
+    with pytest.raises(ValueError, match=r"uniform is a share .* in \[0, 1\]"):
+        fit_layers(student, teacher, batches, steps=1, uniform=1.5, progress=False)
+
+
 def test_fit_layers_sets_a_low_rank_linear_to_its_whitened_svd_and_gives_its_time_away():
     """A plain low-rank layer's fit loss is minimised by the SVD of its weight whitened by
     the recorded input Gram (Eckart-Young in the output norm): the fit sets it and spends

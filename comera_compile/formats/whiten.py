@@ -16,7 +16,9 @@ How the map back folds into the cores depends on the format:
   other modes); each factor's inverse folds exactly into its core's input axis.
 
 ``damping`` adds that share of the Gram's mean eigenvalue to its diagonal: directions the
-calibration text never excited keep some weight, so the result still holds on other text.
+calibration text never excited keep some weight (a Gram of fewer rows than features is
+singular). Too much of it spends the ranks on directions the inputs do not take, on the
+calibration's text and on other text alike, so the default share is small.
 
 An embedding table's inputs are one-hot ids, so its Gram is diagonal: how often each row is
 looked up. Weighing rows by the square root of that frequency makes the truncation error
@@ -38,7 +40,7 @@ from ._svd import chain_svd
 from .ranks import internal_ranks
 from .ttm import ttm_svd
 
-DEFAULT_DAMPING = 0.01
+DEFAULT_DAMPING = 0.001
 TABLE_DAMPING = 1.0
 
 

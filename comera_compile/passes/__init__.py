@@ -28,6 +28,7 @@ from comera_compile.passes.select import (
     select_layers,
     weigh_tables,
 )
+from comera_compile.passes.sensitivity import output_sensitivities
 from comera_compile.passes.shapes import LayerShape, ShapeInfo, propagate_shapes
 from comera_compile.passes.specs import LayerSpec, check_format
 from comera_compile.passes.spectra import input_grams, output_weights
@@ -58,6 +59,7 @@ __all__ = [
     "materialize",
     "on_meta",
     "input_grams",
+    "output_sensitivities",
     "output_weights",
     "parse_budget",
     "parse_bytes",

@@ -37,6 +37,23 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x[mask.to(x.device)]
 
 
+def model_output(output: Any) -> torch.Tensor:
+    """A model's main output tensor: a tensor, ``last_hidden_state``, ``logits``, or the
+    first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for key in ("last_hidden_state", "logits"):
+        value = getattr(output, key, None)
+        if value is None and isinstance(output, dict):
+            value = output.get(key)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"cannot find a tensor to match in a {type(output).__name__}; pass "
+                    "output_fn= to pick one")
+
+
 def _describe_one(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"

@@ -292,6 +292,7 @@ def layer_plan(
     max_rank: int | None = None,
     output_weight: float = 1.0,
     gram=None,
+    sensitivity: float = 1.0,
 ) -> LayerPlan:
     """The allocator's view of one option, with the loss that fits ``init``."""
     cache: dict[Ranks | None, dict[str, int]] = {}
@@ -314,7 +315,8 @@ def layer_plan(
             option.cand.is_embedding and is_lowrank_table(spec.in_modes, spec.out_modes))
         gram = gram if weighs else None
         option.spectrum = layer_spectrum(option.cand, spec, gram)
-        plan.loss = error_loss(option.spectrum, 1.0 if gram is not None else output_weight)
+        weight = 1.0 if gram is not None else output_weight
+        plan.loss = error_loss(option.spectrum, weight * sensitivity)
     else:
         plan.loss = capacity_loss(plan.dense_params, plan.params)
     return plan
@@ -329,11 +331,14 @@ def select_layers(
     init: str = "random",
     output_weights: dict[str, float] | None = None,
     grams: dict | None = None,
+    sensitivities: dict[str, float] | None = None,
 ) -> Selection:
     """Choose layers and each one's ranks so the model spends 95-100% of ``budget``.
 
     ``init="dense"`` minimises the weights' truncation error (per bond, from singular values,
-    weighted by ``output_weights`` when given); ``"random"`` compresses every layer alike.
+    as output errors where ``grams`` whiten them, else weighted by ``output_weights``), each
+    layer's times its ``sensitivities`` (how much the model's output feels it);
+    ``"random"`` compresses every layer alike.
     Without a budget every eligible layer is tensorized at the rank cap (30 by default).
     """
     held = [o for o in options if o.held]
@@ -342,7 +347,7 @@ def select_layers(
         reasons = {**skipped, **{o.cand.name: o.held for o in held}}
         try:
             return select_layers(kept, reasons, budget, before, max_rank, init, output_weights,
-                                 grams)
+                                 grams, sensitivities)
         except ValueError:  # unreachable without them: every layer competes
             pass
         for option in held:
@@ -355,8 +360,9 @@ def select_layers(
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
     weights = output_weights or {}
     grams = grams or {}
-    plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name))
-             for o in options]
+    sensitivities = sensitivities or {}
+    plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name),
+                        sensitivities.get(o.cand.name, 1.0)) for o in options]
     base = {m: before[m] for m in limits}
     states = allocate(plans, base, limits)
     if states is None:

@@ -31,7 +31,13 @@ from comera_compile.formats import is_lowrank_table
 from comera_compile.formats.whiten import gram_factor
 from comera_compile.nn import LowRankLinear, TensorizedLayer, TTEmbedding
 from comera_compile.nn.tt_embedding import weighted_lowrank_cores
-from comera_compile.passes.inputs import as_call, quiet_eval, real_rows, token_mask
+from comera_compile.passes.inputs import (
+    as_call,
+    model_output,
+    quiet_eval,
+    real_rows,
+    token_mask,
+)
 from comera_compile.training.batching import length_grouped
 
 
@@ -39,22 +45,6 @@ def distill_loss(student: Tensor, teacher: Tensor) -> Tensor:
     """Relative squared error ``||s - t||^2 / ||t||^2``: 0 when equal, scale-free."""
     teacher = teacher.detach()
     return (student - teacher).square().sum() / teacher.square().sum().clamp_min(1e-12)
-
-
-def model_output(output: Any) -> Tensor:
-    """The tensor to match: a tensor, ``last_hidden_state``, ``logits``, or the first item."""
-    if isinstance(output, Tensor):
-        return output
-    for key in ("last_hidden_state", "logits"):
-        value = getattr(output, key, None)
-        if value is None and isinstance(output, dict):
-            value = output.get(key)
-        if isinstance(value, Tensor):
-            return value
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
-        return output[0]
-    raise TypeError(f"cannot find a tensor to match in a {type(output).__name__}; pass "
-                    "output_fn= to pick one")
 
 
 class _Recorder:
@@ -255,7 +245,8 @@ class _Inputs:
         spread = int(round(sample * uniform))
 
         def draw() -> Tensor:
-            picked = ids[torch.multinomial(probs, sample - spread, replacement=True)]
+            picked = ids[torch.multinomial(probs, sample - spread, replacement=True)
+                         ] if sample > spread else ids[:0]
             return torch.cat([picked, torch.randint(num_rows, (spread,))])
         return draw
 
@@ -299,6 +290,8 @@ def fit_layers(
     to ``compressed_layers``. The best state seen is kept, so no layer's error rises.
     Returns ``{name: (loss before, loss after)}`` on one draw of the recorded inputs.
     """
+    if not 0.0 <= uniform <= 1.0:
+        raise ValueError(f"uniform is a share of the sampled ids, in [0, 1]; got {uniform!r}")
     names = list(compressed_layers(student, teacher) if layers is None else layers)
     dense, small = dict(teacher.named_modules()), dict(student.named_modules())
     missing = [n for n in names if n not in dense or n not in small]
