@@ -84,6 +84,7 @@ def _layer_record(name: str, layer: TensorizedLayer, original: dict[str, Any] | 
         "macs_per_row_after": spec.macs_per_row(),
         "error": original.get("error"),  # relative, measured when built from dense weights
         "budget_share": original.get("budget_share"),
+        "sensitivity": original.get("sensitivity"),  # how much the output feels the layer
         "order": None if embedding else len(spec.in_modes),
         "order_reason": original.get("order_reason", ""),
     }
@@ -111,7 +112,7 @@ class Summary:
 
     def __str__(self) -> str:
         header = ("layer", "original", "format", "modes", "ranks (effective)",
-                  "params", "MACs/row", "budget", "error")
+                  "params", "MACs/row", "budget", "error", "felt")
         rows = []
         for r in self.records:
             sep = " x " if r["format"] == "tt_embedding" else " -> "
@@ -125,6 +126,7 @@ class Summary:
                 f"{r['macs_per_row_before']:,} -> {r['macs_per_row_after']:,}",
                 "" if r.get("budget_share") is None else f"{r['budget_share']:.1%}",
                 "" if r.get("error") is None else f"{r['error']:.3f}",
+                "" if r.get("sensitivity") is None else f"{r['sensitivity']:.2f}",
             ))
         lines = []
         if self.capture_path:
@@ -140,6 +142,10 @@ class Summary:
             f"total parameters: {self.params_before:,} -> {self.params_after:,} "
             f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized"
         )
+        if any(r.get("sensitivity") is not None for r in self.records):
+            lines.append("felt: how much the model's output feels an error in the layer's "
+                         "output, against an average layer; it weighs the layer's error in "
+                         "the allocation")
         for head, embedding in self.tied.items():
             lines.append(f"tied: {head} computes its logits from the cores of {embedding} "
                          "(no weight of its own)")
@@ -236,6 +242,8 @@ def layer_records(model: nn.Module, selection: Any, init: str) -> dict[str, dict
         record = record_original(cand, selection.order_reasons.get(name, ""))
         if name in selection.shares:
             record["budget_share"] = selection.shares[name]
+        if name in getattr(selection, "sensitivities", {}):
+            record["sensitivity"] = selection.sensitivities[name]
         if init == "dense":
             record["error"] = relative_error(cand, model.get_submodule(name))
             if record["error"] > ERROR_WARNING:

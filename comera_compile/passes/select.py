@@ -69,6 +69,7 @@ class Selection:
     errors: dict[str, float] = field(default_factory=dict)  # predicted, init="dense" only
     shares: dict[str, float] = field(default_factory=dict)  # of the budget's first limit
     order_reasons: dict[str, str] = field(default_factory=dict)  # why each layer's TT order
+    sensitivities: dict[str, float] = field(default_factory=dict)  # how much the output feels
 
 
 @dataclass
@@ -372,9 +373,11 @@ def select_layers(
     for option, plan, ranks in zip(options, plans, states):
         name = option.cand.name
         if ranks is None:
+            felt = (f" (the output feels it {sensitivities[name]:.2f}x an average layer)"
+                    if name in sensitivities else "")
             skipped[name] = "not needed to meet the budget" if init != "dense" else (
-                "kept dense: compressing it loses more of its weights per parameter saved "
-                "than the layers chosen; include it to force it")
+                "kept dense: compressing it costs more error per parameter saved than the "
+                f"layers chosen{felt}; include it to force it")
             continue
         chosen[name] = (option.cand, option.spec(list(ranks)))
         shares[name] = _share(option, plan.change(ranks), limits)
@@ -383,7 +386,8 @@ def select_layers(
     after = totals_of(plans, states, before)
     rank = max((max(spec.ranks) for _, spec in chosen.values()), default=0)
     reasons = {k: v for k, v in _order_reasons(options).items() if k in chosen}
-    return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons)
+    return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons,
+                     dict(sensitivities))
 
 
 def _share(option: _Option, change: dict[str, int], limits: dict[str, float]) -> float:

@@ -68,12 +68,12 @@ def output_sensitivities(
     sums: dict[str, float] = {}
     try:
         with quiet_eval(model), torch.enable_grad():
-            for p, _ in flags:  # so that every layer's output is in the autograd graph
-                if p.is_floating_point():
-                    p.requires_grad_(True)
             try:
+                for p, _ in flags:  # so that every layer's output is in the autograd graph
+                    if p.is_floating_point():
+                        p.requires_grad_(True)
                 y = real_rows(model_output(model(*args, **kwargs)), mask)
-            except TypeError:
+            except (TypeError, RuntimeError):  # no tensor output, or inference-mode weights
                 return {}
             if not y.is_floating_point() or not y.requires_grad or not seen:
                 return {}
