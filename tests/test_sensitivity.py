@@ -111,3 +111,17 @@ def test_no_float_output_gives_no_sensitivities():
 
     model = Ids()
     assert output_sensitivities(model, torch.randn(3, 4), find_candidates(model)) == {}
+
+
+@pytest.mark.parametrize("fmt, weighed", [("lowrank", True), ("tt", True), ("ttm", False)])
+def test_only_output_errors_are_weighed_and_the_summary_shows_it(fmt, weighed):
+    """Whitened spectra (TT, low rank) give output errors, which a sensitivity scales; a TTM
+    spectrum is the weight's error and keeps its old weight."""
+    torch.manual_seed(0)
+    model = Branches(48)
+    small = cc.optimize(copy.deepcopy(model), 0.5, init="dense", example_inputs=torch.randn(
+        256, 48), compile=False, format=fmt, include=["a", "b"], inplace=True)
+    records = {r["name"]: r for r in cc.summary(small).records}
+    assert records
+    assert all((r["sensitivity"] is not None) == weighed for r in records.values())
+    assert ("felt: how much" in str(cc.summary(small))) == weighed

@@ -85,6 +85,7 @@ class _Option:
     fixed: LayerSpec | None = None
     forced: bool = False
     spectrum: Spectrum | None = None
+    felt: float | None = None  # the output sensitivity its error was weighed by, if any
     why: str = ""  # why this order (modes per side)
     held: str = ""  # why it stays dense unless the budget needs it
     configured: bool = False  # the user's layer_config names this layer
@@ -316,8 +317,11 @@ def layer_plan(
             option.cand.is_embedding and is_lowrank_table(spec.in_modes, spec.out_modes))
         gram = gram if weighs else None
         option.spectrum = layer_spectrum(option.cand, spec, gram)
-        weight = 1.0 if gram is not None else output_weight
-        plan.loss = error_loss(option.spectrum, weight * sensitivity)
+        # a sensitivity scales a relative *output* error, which only the whitened spectra
+        # give (TT, low rank); a TTM spectrum is the weight's error
+        option.felt = sensitivity if gram is not None and sensitivity != 1.0 else None
+        weight = sensitivity if gram is not None else output_weight
+        plan.loss = error_loss(option.spectrum, weight)
     else:
         plan.loss = capacity_loss(plan.dense_params, plan.params)
     return plan
@@ -337,8 +341,8 @@ def select_layers(
     """Choose layers and each one's ranks so the model spends 95-100% of ``budget``.
 
     ``init="dense"`` minimises the weights' truncation error (per bond, from singular values,
-    as output errors where ``grams`` whiten them, else weighted by ``output_weights``), each
-    layer's times its ``sensitivities`` (how much the model's output feels it);
+    as output errors where ``grams`` whiten them, times the layer's ``sensitivities``, how
+    much the model's output feels it; else weighted by ``output_weights``);
     ``"random"`` compresses every layer alike.
     Without a budget every eligible layer is tensorized at the rank cap (30 by default).
     """
@@ -373,8 +377,8 @@ def select_layers(
     for option, plan, ranks in zip(options, plans, states):
         name = option.cand.name
         if ranks is None:
-            felt = (f" (the output feels it {sensitivities[name]:.2f}x an average layer)"
-                    if name in sensitivities else "")
+            felt = (f" (the output feels it {option.felt:.2f}x an average layer)"
+                    if option.felt is not None else "")
             skipped[name] = "not needed to meet the budget" if init != "dense" else (
                 "kept dense: compressing it costs more error per parameter saved than the "
                 f"layers chosen{felt}; include it to force it")
@@ -386,8 +390,9 @@ def select_layers(
     after = totals_of(plans, states, before)
     rank = max((max(spec.ranks) for _, spec in chosen.values()), default=0)
     reasons = {k: v for k, v in _order_reasons(options).items() if k in chosen}
+    felt = {o.cand.name: o.felt for o in options if o.felt is not None}
     return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons,
-                     dict(sensitivities))
+                     felt)
 
 
 def _share(option: _Option, change: dict[str, int], limits: dict[str, float]) -> float:
