@@ -86,6 +86,7 @@ class _Option:
     forced: bool = False
     spectrum: Spectrum | None = None
     felt: float | None = None  # the output sensitivity its error was weighed by, if any
+    whitened: bool | None = None  # whether its spectrum gives output errors (init="dense")
     why: str = ""  # why this order (modes per side)
     held: str = ""  # why it stays dense unless the budget needs it
     configured: bool = False  # the user's layer_config names this layer
@@ -319,6 +320,7 @@ def layer_plan(
         option.spectrum = layer_spectrum(option.cand, spec, gram)
         # a sensitivity scales a relative *output* error, which only the whitened spectra
         # give (TT, low rank); a TTM spectrum is the weight's error
+        option.whitened = gram is not None
         option.felt = sensitivity if gram is not None and sensitivity != 1.0 else None
         weight = sensitivity if gram is not None else output_weight
         plan.loss = error_loss(option.spectrum, weight)
@@ -368,6 +370,10 @@ def select_layers(
     sensitivities = sensitivities or {}
     plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name),
                         sensitivities.get(o.cand.name, 1.0)) for o in options]
+    if any(o.felt is not None for o in options) and any(o.whitened is False for o in options):
+        # weighed and unweighed errors are on different scales: weigh none (TTM layers)
+        plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0),
+                            grams.get(o.cand.name)) for o in options]
     base = {m: before[m] for m in limits}
     states = allocate(plans, base, limits)
     if states is None:
