@@ -295,7 +295,6 @@ def layer_plan(
     max_rank: int | None = None,
     output_weight: float = 1.0,
     gram=None,
-    sensitivity: float = 1.0,
 ) -> LayerPlan:
     """The allocator's view of one option, with the loss that fits ``init``."""
     cache: dict[Ranks | None, dict[str, int]] = {}
@@ -318,12 +317,8 @@ def layer_plan(
             option.cand.is_embedding and is_lowrank_table(spec.in_modes, spec.out_modes))
         gram = gram if weighs else None
         option.spectrum = layer_spectrum(option.cand, spec, gram)
-        # a sensitivity scales a relative *output* error, which only the whitened spectra
-        # give (TT, low rank); a TTM spectrum is the weight's error
         option.whitened = gram is not None
-        option.felt = sensitivity if gram is not None and sensitivity != 1.0 else None
-        weight = sensitivity if gram is not None else output_weight
-        plan.loss = error_loss(option.spectrum, weight)
+        plan.loss = error_loss(option.spectrum, 1.0 if gram is not None else output_weight)
     else:
         plan.loss = capacity_loss(plan.dense_params, plan.params)
     return plan
@@ -367,13 +362,9 @@ def select_layers(
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
     weights = output_weights or {}
     grams = grams or {}
-    sensitivities = sensitivities or {}
-    plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name),
-                        sensitivities.get(o.cand.name, 1.0)) for o in options]
-    if any(o.felt is not None for o in options) and any(o.whitened is False for o in options):
-        # weighed and unweighed errors are on different scales: weigh none (TTM layers)
-        plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0),
-                            grams.get(o.cand.name)) for o in options]
+    plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name))
+             for o in options]
+    _weigh_by_sensitivity(options, plans, sensitivities or {})
     base = {m: before[m] for m in limits}
     states = allocate(plans, base, limits)
     if states is None:
@@ -399,6 +390,20 @@ def select_layers(
     felt = {o.cand.name: o.felt for o in options if o.felt is not None}
     return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons,
                      felt)
+
+
+def _weigh_by_sensitivity(options: list[_Option], plans: list[LayerPlan],
+                          sensitivities: dict[str, float]) -> None:
+    """Scale each layer's loss by how much the model's output feels it. A sensitivity scales
+    a relative *output* error, which only whitened spectra give (TT, low rank); a TTM
+    spectrum is the weight's error, on another scale, so with one among them none is."""
+    if not sensitivities or not all(o.whitened for o in options):
+        return
+    for option, plan in zip(options, plans):
+        felt = sensitivities.get(option.cand.name, 1.0)
+        if felt != 1.0:
+            option.felt = felt
+            plan.loss = error_loss(option.spectrum, felt)
 
 
 def _share(option: _Option, change: dict[str, int], limits: dict[str, float]) -> float:
