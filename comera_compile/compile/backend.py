@@ -253,8 +253,10 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
         config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
         if "joint_custom_pre_pass" not in config and (opts.memory < 1 or not cuda):
-            # the forward's dropout masks in backward; on CPU, hashed masks are recomputed
-            config["joint_custom_pre_pass"] = SaveRandomValues(low_memory=opts.memory < 1)
+            # the forward's dropout masks in backward; on CPU, hashed masks are recomputed,
+            # and so are comparison masks (inductor's CPU kernels store booleans slowly)
+            config["joint_custom_pre_pass"] = SaveRandomValues(low_memory=opts.memory < 1,
+                                                               cpu=not cuda)
         # On CPU, inductor's own dropout RNG is slower than aten's: aten's random numbers,
         # and dropout masks hashed from element indices (compile.dropout); its tag keys the
         # caches.

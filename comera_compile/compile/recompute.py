@@ -28,6 +28,17 @@ recomputed in backward (no mask is stored; the backend marks this at every budge
 CPU). A mask drawn per element is kept instead, as bits (:func:`pack_saved_masks`: one
 byte per eight elements, not one per element). ``python benchmarks/saved.py`` prints what
 each setting keeps on the six-encoder at batch 32 x 128.
+
+**Comparison masks are remade in backward, on CPU** (:func:`recompute_masks`). A ReLU's
+backward reads ``out <= 0``; the min-cut keeps that boolean (one byte an element) rather
+than the float it came from. Inductor's CPU kernels write a boolean buffer about 20x slower
+than aten does and read it back slowly too (a 1024 x 3072 mask: about 20 ms to store and
+12 ms to read on a Zen 3 core pair, against 1 ms for aten; ``python benchmarks/compiled.py``
+shows what that costs torch's ReLU encoder). So such masks are marked ``MUST_RECOMPUTE``:
+no boolean is stored and backward compares inside its own fused kernel. At the default
+memory setting this may keep the float the mask came from instead (4 bytes an element, not
+1); with ``memory="low"`` a mask is remade only when every float it reads is read by
+backward anyway, so nothing more is kept.
 """
 
 from __future__ import annotations
@@ -110,6 +121,42 @@ def recompute_thin_products(graph: fx.Graph) -> int:
     for node in thin:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return len(thin)
+
+
+def _read_by_backward(node: fx.Node, backward: set[fx.Node]) -> bool:
+    """Whether backward reads ``node``, directly or through layout ops (views, transposes)."""
+    todo, seen = [node], set()
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in backward:
+                return True
+            if user.op == "call_function" and user.target in _LAYOUT_OPS and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def recompute_masks(graph: fx.Graph, keep_memory: bool = False) -> int:
+    """Mark a joint graph's forward comparison masks that backward reads ``MUST_RECOMPUTE``;
+    with ``keep_memory``, only those whose every input is small or read by backward anyway.
+    Returns how many were marked. Masks already marked (random ones) are left as they are."""
+    backward = _backward_nodes(graph)
+    count = 0
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if (node in backward or node.op != "call_function" or "recompute" in node.meta
+                or not isinstance(value, torch.Tensor) or value.dtype != torch.bool
+                or torch.Tag.pointwise not in getattr(node.target, "tags", ())
+                or not any(user in backward for user in node.users)):
+            continue
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if not keep_memory or all(
+            _nbytes(a) < SMALL or _read_by_backward(a, backward) for a in inputs
+        ):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            count += 1
+    return count
 
 
 def is_random(node: fx.Node) -> bool:
@@ -219,20 +266,24 @@ def pack_saved_masks(graph: fx.Graph) -> int:
 
 
 class SaveRandomValues(CustomGraphPass):
-    """Inductor's ``joint_custom_pre_pass``: :func:`save_random_values`; with
-    ``low_memory``, then :func:`pack_saved_masks` and :func:`recompute_thin_products`."""
+    """Inductor's ``joint_custom_pre_pass``: :func:`save_random_values`; with ``cpu``,
+    :func:`recompute_masks`; with ``low_memory``, then :func:`pack_saved_masks` and
+    :func:`recompute_thin_products`."""
 
-    def __init__(self, low_memory: bool = True) -> None:
-        self.low_memory = low_memory
+    def __init__(self, low_memory: bool = True, cpu: bool = False) -> None:
+        self.low_memory, self.cpu = low_memory, cpu
 
     def __call__(self, graph: fx.Graph) -> None:
         save_random_values(graph)
+        if self.cpu:
+            recompute_masks(graph, keep_memory=self.low_memory)
         if self.low_memory:
             pack_saved_masks(graph)
             recompute_thin_products(graph)
 
     def uuid(self) -> bytes:  # part of inductor's cache key: changes with this file
-        sizes = repr((THIN, SMALL, WIDE, self.low_memory)).encode()  # and with the settings
+        settings = (THIN, SMALL, WIDE, self.low_memory, self.cpu)  # and with the settings
+        sizes = repr(settings).encode()
         return hashlib.sha256(Path(__file__).read_bytes() + sizes).digest()
 
 
