@@ -127,6 +127,50 @@ def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slo
     assert isinstance(config["post_grad_custom_post_pass"], Mine) and table is None
 
 
+@pytest.mark.parametrize("forward, drops", [
+    (lambda x: F.dropout(x, 0.1, training=True), True),
+    (lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.1), True),
+    (lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.0), False),
+    (lambda x: torch.relu(x @ x), False),
+])
+def test_only_graphs_that_may_drop_out_get_the_dropout_table(forward, drops):
+    from comera_compile.compile.dropout import may_drop_out
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(forward, backend=capture)(torch.randn(2, 4, 8, 8))
+    assert may_drop_out(graphs[0]) is drops
+    torch._dynamo.reset()
+
+
+def test_compiled_graph_without_dropout_is_served_from_the_cache_in_a_new_compile():
+    """A decomposition table handed to inductor keeps a graph out of its cache (an entry
+    it cannot hash), so each new process compiled it from scratch; without dropout none is
+    handed in, and a second compile of the same graph is a cache hit."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from comera_compile.nn import TTLinear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(TTLinear(16, 32, ranks=2), torch.nn.GELU())
+    x = torch.randn(4, 16)
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            out = torch.compile(model, backend="comera")(x)
+            out.sum().backward()
+        assert counters["inductor"]["fxgraph_cache_hit"] == 2  # forward and backward
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    torch.testing.assert_close(out, model(x))
+    torch._dynamo.reset()
+
+
 def test_hashed_masks_keep_their_keys_and_per_element_draws_keep_their_mask():
     """``save_random_values`` saves the two keys of a hashed mask and marks the mask
     recomputed (nothing of the input's size is stored); for aten's dropout and for draws

@@ -15,10 +15,13 @@ kept values are scaled by ``1 / (1 - p)`` as aten does, so the mask and scale ma
 ``native_dropout_backward`` applies. The masks are of course other draws than eager's.
 Arithmetic wraps at 32 bits, as torch's int32 arithmetic does.
 
-The backend hands :func:`decompositions` to AOT autograd for CPU graphs. AOT autograd's
-cache does not see decomposition tables, so :class:`DropoutTag` (a post-grad pass that
-changes nothing) puts this file's hash into the cache keys: a graph cached with aten's
-dropout is never served for this one, or the other way round.
+The backend hands :func:`decompositions` to AOT autograd for CPU graphs that may drop out
+(:func:`may_drop_out`). AOT autograd's cache does not see decomposition tables, so
+:class:`DropoutTag` (a post-grad pass that changes nothing) puts this file's hash into the
+cache keys: a graph cached with aten's dropout is never served for this one, or the other
+way round. Graphs without dropout get inductor's own table: a table handed in holds an
+entry inductor's cache cannot hash, so every such graph would bypass the cache and compile
+from scratch in each new process.
 """
 
 from __future__ import annotations
@@ -73,6 +76,25 @@ def native_dropout(input: Tensor, p: float, train: bool | None) -> tuple[Tensor,
         return torch.zeros_like(input), torch.zeros_like(input, dtype=torch.bool)
     keep = keep_mask(input.shape, p, input.device)
     return input * keep * (1.0 / (1.0 - p)), keep
+
+
+def may_drop_out(gm: fx.GraphModule) -> bool:
+    """Whether a dynamo graph may call dropout: a dropout function or module, or an
+    attention whose ``dropout_p`` is not the constant 0."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            target = type(gm.get_submodule(node.target)).__name__
+        elif node.op in ("call_function", "call_method"):
+            target = getattr(node.target, "__name__", str(node.target))
+        else:
+            continue
+        if "dropout" in target.lower() or "bernoulli" in target.lower():
+            return True
+        if target == "scaled_dot_product_attention":
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if not (isinstance(p, (int, float)) and p == 0):
+                return True
+    return False
 
 
 def decompositions(fallback_random: bool = True) -> dict:
