@@ -134,7 +134,8 @@ def orientation_rows(repeats: int) -> list[list[str]]:
     from comera_compile.compile.matmul_orientation import worth_turning
 
     rows = []
-    shapes = [(16, 768, torch.float32), (32, 768, torch.float32), (32, 1536, torch.float32),
+    shapes = [(9, 768, torch.float32), (14, 1024, torch.float32), (20, 2048, torch.float32),
+              (16, 768, torch.float32), (32, 768, torch.float32), (32, 1536, torch.float32),
               (32, 3072, torch.float32), (64, 768, torch.float32), (32, 768, torch.float64)]
     for rank, width, dtype in shapes:
         pairs = [(torch.randn(ROWS, rank, dtype=dtype), torch.randn(ROWS, width, dtype=dtype))

@@ -19,7 +19,7 @@ def _mm_shapes(gm):
     return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target is aten.mm.default]
 
 
-@pytest.mark.parametrize("m, k, n", [(16, 1024, 256), (32, 2048, 768), (64, 1024, 300)])
+@pytest.mark.parametrize("m, k, n", [(32, 2048, 256), (48, 2048, 768), (64, 4096, 300)])
 def test_thin_weight_gradient_is_computed_transposed_with_the_same_values(m, k, n):
     h, dy = torch.randn(k, m), torch.randn(k, n)  # float32: the only dtype it turns
     gm = _traced(lambda a, b: a.t() @ b, h, dy)
@@ -35,7 +35,8 @@ def test_thin_weight_gradient_is_computed_transposed_with_the_same_values(m, k, 
     "fn, a, b",
     [
         (lambda a, b: a @ b, torch.randn(32, 2048), torch.randn(2048, 768)),  # not transposed
-        (lambda a, b: a.t() @ b, torch.randn(512, 32), torch.randn(512, 768)),  # short reduction
+        (lambda a, b: a.t() @ b, torch.randn(1024, 32), torch.randn(1024, 768)),  # short reduction
+        (lambda a, b: a.t() @ b, torch.randn(2048, 14), torch.randn(2048, 768)),  # too thin
         (lambda a, b: a.t() @ b, torch.randn(2048, 128), torch.randn(2048, 768)),  # not thin
         (lambda a, b: a.t() @ b, torch.randn(2048, 32), torch.randn(2048, 64)),  # not wide
         (lambda a, b: a.t() @ b, torch.randn(2048, 32), torch.randn(2048, 3072)),  # too wide
@@ -56,7 +57,7 @@ def test_compiled_cpu_training_turns_tt_weight_gradients_and_matches_eager(monke
     monkeypatch.setattr(orientation, "orient_thin_matmuls",
                         lambda graph: calls.append(original(graph)) or calls[-1])
     torch.manual_seed(0)
-    model = torch.nn.Sequential(TTLinear(64, 512, ranks=8), torch.nn.GELU(),
-                                TTLinear(512, 256, ranks=8))
+    model = torch.nn.Sequential(TTLinear(64, 512, ranks=32), torch.nn.GELU(),
+                                TTLinear(512, 256, ranks=32))
     assert_compiled_gradients_match_eager(model, torch.randn(2048, 64))
-    assert sum(calls) >= 1  # the 8 x 2048 x 512 gradient of the first layer's output factor
+    assert sum(calls) >= 1  # the 32 x 2048 x 512 gradient of the first layer's output factor

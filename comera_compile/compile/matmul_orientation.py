@@ -2,13 +2,15 @@
 
 A TT layer's backward multiplies a thin activation's transpose by a wide gradient:
 ``dB = h.T @ dy`` with ``h`` of 4096 x 32 and ``dy`` of 4096 x 768. MKL's sgemm runs this
-shape (a few output rows, a long reduction) well below the transposed problem
-``(dy.T @ h).T``, which has the same multiply-adds. Every thin side from 16 to 64 gains or
-breaks even up to a width of 2048; at a width of 3072 runs disagree, so wider products
-are left alone (``python benchmarks/kernels.py``, matmul section, measures each shape).
-The result is the same up to float rounding (another summation order inside the
-kernel). Float32 only: MKL's dgemm is the other way round (the same benchmark's float64
-row).
+shape (a few output rows, a long reduction) below the transposed problem ``(dy.T @ h).T``,
+which has the same multiply-adds, when the thin side is 32 to 64 and the reduction is 2048
+rows or more: 1.0-1.4x at widths 384-3072 on a Zen 3 core pair. Below a thin side of 32
+the transposed problem is the slow one, by 1.2-9x (thin sides 9, 14, 20, 24 and 28, the
+ranks low-rank layers often get, at every depth and width), and at 1024 rows the gains
+vanish; those are left as written (``python benchmarks/kernels.py``, matmul section,
+measures each shape). The result is the same up to float rounding (another summation
+order inside the kernel). Float32 only: MKL's dgemm is the other way round (the same
+benchmark's float64 row).
 
 :func:`orient_thin_matmuls` rewrites ``mm(a, b)`` into ``mm(b.T, a.T).T`` where ``a`` is a
 transposed view with at most ``MAX_ROWS`` rows, the reduction is at least ``MIN_DEPTH``
@@ -25,8 +27,9 @@ from comera_compile.compile.graph_nodes import call_with_value
 
 aten = torch.ops.aten
 
-MAX_ROWS = 64  # the thin side: a rank, a factor's width
-MIN_DEPTH = 1024  # the reduction: rows of activations (batch x sequence)
+MIN_ROWS = 32  # the thin side: a rank, a factor's width, from ...
+MAX_ROWS = 64  # ... up to here
+MIN_DEPTH = 2048  # the reduction: rows of activations (batch x sequence)
 MIN_WIDTH = 256  # the wide side: a layer's width ...
 MAX_WIDTH = 2048  # ... up to here (at 3072 the transposed problem is slower)
 
@@ -55,7 +58,8 @@ def orient_thin_matmuls(graph: fx.Graph) -> int:
 
 def _thin_by_wide(left, right) -> bool:
     """``left`` (m x k) is the transpose of a contiguous tensor, ``right`` (k x n) is
-    contiguous, with static sizes m <= MAX_ROWS, k >= MIN_DEPTH, MIN_WIDTH <= n <= MAX_WIDTH."""
+    contiguous, with static sizes MIN_ROWS <= m <= MAX_ROWS, k >= MIN_DEPTH and
+    MIN_WIDTH <= n <= MAX_WIDTH."""
     if not (isinstance(left, fx.Node) and isinstance(right, fx.Node)):
         return False
     a, b = left.meta.get("val"), right.meta.get("val")
@@ -72,5 +76,5 @@ def _thin_by_wide(left, right) -> bool:
 
 def worth_turning(m: int, k: int, n: int) -> bool:
     """Whether an ``m x k x n`` thin weight gradient runs faster transposed (measured)."""
-    return m <= MAX_ROWS and k >= MIN_DEPTH and MIN_WIDTH <= n <= MAX_WIDTH
+    return MIN_ROWS <= m <= MAX_ROWS and k >= MIN_DEPTH and MIN_WIDTH <= n <= MAX_WIDTH
 
