@@ -481,6 +481,19 @@ def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], manifest: dict
     )
 
 
+def _take_saved_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Floating parameters and buffers take the dtype they were saved in: a model rebuilt
+    from its config is float32, and copying bfloat16 weights into it would keep their values
+    but compute in float32, so its outputs would not be the saved model's."""
+    named = [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        saved = state.get(name)
+        if (isinstance(saved, torch.Tensor) and saved.is_floating_point()
+                and tensor.is_floating_point() and saved.dtype != tensor.dtype):
+            tensor.data = tensor.data.to(saved.dtype)
+
+
 def _apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
     """``apply_layouts``, its refusals raised as ``CheckpointError``."""
     try:
@@ -520,6 +533,7 @@ def load(
     _apply_layouts(target, _layouts(state, target))
     _fill_ties(target, state)
     _check_keys(target, state, manifest)
+    _take_saved_dtypes(target, state)
     try:
         target.load_state_dict(state, strict=True)
     except (RuntimeError, ValueError) as exc:  # shapes that differ, a layout that does not fit

@@ -116,6 +116,27 @@ def test_round_trip_hugging_face(name, tmp_path):
         assert torch.equal(_call(cc.load(tmp_path / "hf").eval(), inputs), expected)
 
 
+def test_bfloat16_model_loads_back_in_bfloat16_with_the_same_outputs(tmp_path):
+    """A model rebuilt from its config is float32: the weights keep their dtype, so the
+    loaded model computes what the saved one did (it computed in float32 before, and its
+    logits differed by up to 0.0045)."""
+    from hf_models import bert
+
+    build, inputs, _ = bert()
+    torch.manual_seed(0)
+    model = cc.optimize(build().to(torch.bfloat16), 0.5, compile=False).eval()
+    with torch.no_grad():
+        expected = _call(model, inputs)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}  # rank gates stay float32
+    assert torch.bfloat16 in dtypes.values()
+    cc.save(model, tmp_path)
+    for loaded in (cc.load(tmp_path), cc.load(tmp_path, model=build())):
+        loaded.eval()
+        assert {n: p.dtype for n, p in loaded.named_parameters()} == dtypes
+        with torch.no_grad():
+            assert torch.equal(_call(loaded, inputs), expected)
+
+
 def _saved_mlp(tmp_path):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
