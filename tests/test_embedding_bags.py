@@ -298,3 +298,24 @@ def test_training_a_10m_row_table_allocates_nothing_table_sized(tmp_path):
     # 16,384 ids in the largest batch: ~20 MB of batch-sized work (sorts, gathers, their
     # gradients); the dense table alone would be 640 MB and its Adagrad state as much again.
     assert trained < table / 16, f"peak grew by {trained / 2**20:.1f} MB while training"
+
+
+@pytest.mark.parametrize("kwargs, ids", [
+    ({}, torch.randint(0, 64, (4, 40))),  # 160 ids, 64 rows: each row computed once
+    ({"padding_idx": 3}, torch.randint(0, 64, (4, 40))),
+    ({"mode": "sum"}, torch.randint(0, 64, (80, 2))),
+    ({}, torch.randint(0, 64, (2, 8))),  # fewer ids than rows: each id's row
+])
+def test_compiled_lookup_matches_eager_whether_rows_or_ids_are_fewer(kwargs, ids):
+    """Compiled (no ``unique``): with fewer rows than ids every row is computed once and
+    the ids index it; outputs and gradients equal eager's."""
+    from models import assert_compiled_gradients_match_eager
+
+    from comera_compile.nn import TTEmbedding
+
+    torch.manual_seed(0)
+    layer = TTEmbedding(64, 24, ranks=4, **kwargs)
+    expected = layer(ids)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(layer, backend="comera")(ids), expected)
+    assert_compiled_gradients_match_eager(layer, ids)

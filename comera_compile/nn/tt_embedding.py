@@ -151,6 +151,11 @@ class TTEmbedding(TensorizedLayer):
         self._check_ids(flat, eager)
         if self.dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
+        elif self.dedup and isinstance(flat.numel(), int) and self.num_embeddings <= flat.numel():
+            # compiled (no host read for unique): fewer rows than ids, so each row once
+            # costs less than each id's row, and backward adds into the table's rows rather
+            # than scattering every id's gradient into the few rows of the first core
+            ids, index = torch.arange(self.num_embeddings, device=flat.device), flat
         else:
             ids, index = flat, torch.arange(flat.numel(), device=flat.device)
         table = self.lookup(ids).to(self.cores[0].dtype)  # as nn.Embedding, even in autocast
