@@ -37,6 +37,7 @@ import resource
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -303,7 +304,11 @@ def race(args) -> None:
     for row in rows:
         cmd = [sys.executable, __file__, "--row", row] + [a for a in sys.argv[1:]]
         t0 = time.time()
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ)
+            if not args.warm_cache:  # compiles from scratch, as on a new machine
+                env["TORCHINDUCTOR_CACHE_DIR"] = cache
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode:
             print(out.stderr[-3000:])
             raise SystemExit(f"row {row} failed")
@@ -380,6 +385,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="compiled compressed rows")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="compiled rows use inductor's cache as found (default: each row an "
+                        "empty one, so every compile is a first compile)")
     p.add_argument("--plot", default=None, help="PNG path for loss against time")
     p.add_argument("--results-name", default="pretrain")
     p.add_argument("--no-write", action="store_true")
