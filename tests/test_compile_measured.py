@@ -115,3 +115,39 @@ def test_compile_always_skips_the_measurement_and_bad_values_are_refused():
     assert is_compiled(always)
     with pytest.raises(ValueError, match="compile must be True, False or 'always'"):
         cc.optimize(model, budget=0.3, example_inputs=(x,), compile="auto")
+
+
+@pytest.mark.parametrize("calls, compiles", [(50, False), (10**6, True)])
+def test_a_first_compile_that_cannot_pay_before_the_shapes_change_is_not_made(calls, compiles):
+    """Told the shapes change after ``calls`` training calls, the race times eager first;
+    50 steps of 20 ms cannot save a first compile's cost even at the best speedup, so
+    nothing compiles and the summary says why; a long horizon races as before."""
+    from comera_compile.compile.measured import MIN_COMPILE_S
+
+    model, ran = _install(0.02, 0.005)
+    impl = model._compiled_call_impl
+    impl.shapes_change_after(calls)
+    x = torch.randn(2, 4)
+    for _ in range(CALLS + 8):
+        model(x).sum().backward()
+    race = impl.races["training"]
+    assert bool(ran) == compiles
+    if compiles:
+        assert race.choice == COMPILED and is_compiled(model)
+    else:
+        assert race.choice == EAGER and not is_compiled(model)
+        why = impl.describe()
+        assert why.startswith("eager: the cores' shapes change in") and \
+            f"{MIN_COMPILE_S:.0f} s" in why
+
+
+def test_a_rank_adaptive_trainer_of_known_length_announces_its_first_cut():
+    from comera_compile.training import RankAdaptiveTrainer
+
+    model = cc.optimize(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), 0.5,
+                        example_inputs=(torch.randn(8, 64),))
+    impl = model._compiled_call_impl
+    opt = torch.optim.AdamW(model.parameters())
+    RankAdaptiveTrainer(model, opt, total_steps=300, target_ratio=0.5)
+    assert impl.calls_before_change == 60  # the early stage: a fifth of the run
+    assert impl.races["training"].plan[0] == EAGER

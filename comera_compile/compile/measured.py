@@ -9,6 +9,14 @@ compiled and eager in turn, then keeps the faster for the rest of the run. Train
 (``model.training`` with grad enabled) and other calls (evaluation, inference) are raced
 apart, since they compile to different graphs. The choices and the measured ratios are
 in ``summary(model)``.
+
+When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
+cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
+first compile may not pay before its graph is thrown away: on a 2-core CPU a training
+graph's first compile took 15-53 s (``python benchmarks/compiled.py``, "compile s") for
+steps at most 1.44x faster. So eager steps are timed first, and the model compiles only if
+the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
+steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
 """
 
 from __future__ import annotations
@@ -28,6 +36,14 @@ MARGIN = 1.05
 """The compiled step must be this much faster to be kept: a recompile (a new batch-size
 region, a pruned rank) costs seconds, so a gain within timing noise is not worth it."""
 
+MAX_SPEEDUP = {"cpu": 1.5, "cuda": 4.0}
+"""The most a compiled training step has gained over eager, with room (measured: 1.44x on
+a 2-core CPU, ``benchmarks/results/compiled.md``; 3.1x on one H200, ``compiled_cuda.md``)."""
+
+MIN_COMPILE_S = 15.0
+"""The least a training graph's first compile has cost (the smallest of the models in
+``benchmarks/results/compiled.md``): gains under this cannot pay for compiling."""
+
 WARMUP = {COMPILED: 2, EAGER: 1}
 """Untimed calls per mode: the first compiled call compiles (for training: its forward,
 then its backward), the second still settles; eager's first call plans its contractions."""
@@ -46,15 +62,23 @@ class Race:
     """One kind of call timed compiled and eager in turn until each has ``trials`` periods
     past its warm-up; then ``choice`` is the faster (compiled only if ``MARGIN`` faster)."""
 
-    def __init__(self, trials: int) -> None:
+    def __init__(self, trials: int, eager_first: bool = False) -> None:
         self.trials = trials
         self.choice: str | None = None
         self.speedup: float | None = None
         self.gain_s = 0.0  # seconds a compiled call saves over an eager one
         self.compile_s = 0.0  # seconds the first compile cost, past the compiled call's time
         self.periods: dict[str, list[float]] = {COMPILED: [], EAGER: []}
-        self.plan = [COMPILED] * WARMUP[COMPILED] + [EAGER] * WARMUP[EAGER]
+        if eager_first:  # eager timed before anything compiles
+            self.plan = [EAGER] * (WARMUP[EAGER] + trials) + [COMPILED] * WARMUP[COMPILED]
+        else:
+            self.plan = [COMPILED] * WARMUP[COMPILED] + [EAGER] * WARMUP[EAGER]
         self.last: tuple[str, float, tuple] | None = None  # (mode, start, input shapes)
+
+    def eager_step(self) -> float | None:
+        """The median timed eager period so far (None before any is timed)."""
+        timed = self.periods[EAGER][WARMUP[EAGER]:]
+        return statistics.median(timed) if timed else None
 
     def next_mode(self, shapes: tuple) -> str:
         """The mode this call runs in, recording the period the previous call ended."""
@@ -94,6 +118,9 @@ class MeasuredCompile:
         self.model, self.compiled, self.trials = model, compiled, trials
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
         self.eager_why = ""
+        self.calls_before_change: int | None = None  # training calls until shapes change
+        self.training_calls = 0
+        self.has_compiled = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = self.model.training and torch.is_grad_enabled()
@@ -101,9 +128,40 @@ class MeasuredCompile:
         if race.choice is None and _on_cuda(args, kwargs):
             torch.cuda.synchronize()  # CUDA runs ahead of the host: time finished work only
         mode = race.choice or race.next_mode(_shapes(args, kwargs))
+        if training:
+            self.training_calls += 1
+            if mode == COMPILED and not self.has_compiled:
+                why = self._why_not_compile(race, _on_cuda(args, kwargs))
+                if why:
+                    self.run_eager(why)
+                    mode = EAGER
         if mode == COMPILED:
+            self.has_compiled = True
             return self.compiled(*args, **kwargs)
         return self.model._call_impl(*args, **kwargs)
+
+    def shapes_change_after(self, calls: int) -> None:
+        """Tell the race that the training graph's shapes change after ``calls`` more
+        training calls (a rank cut). Before anything compiles, eager steps are timed first,
+        and the first compile happens only if it can pay before then (module docstring)."""
+        self.calls_before_change = self.training_calls + max(0, int(calls))
+        race = self.races[TRAINING]
+        if not self.has_compiled and race.choice is None and race.last is None:
+            self.races[TRAINING] = Race(self.trials, eager_first=True)
+
+    def _why_not_compile(self, race: Race, cuda: bool) -> str:
+        """Why a first compile cannot pay before the shapes change, or "" if it may."""
+        eager = race.eager_step()
+        if self.calls_before_change is None or eager is None:
+            return ""
+        calls = self.calls_before_change - self.training_calls
+        most = calls * eager * (1 - 1 / MAX_SPEEDUP["cuda" if cuda else "cpu"])
+        if most >= MIN_COMPILE_S:
+            return ""
+        return (f"the cores' shapes change in {max(calls, 0)} steps, and a compiled step "
+                f"could save at most {most:.1f} s over them (eager's step: "
+                f"{eager * 1e3:.0f} ms), under what a first compile costs "
+                f"(>= {MIN_COMPILE_S:.0f} s)")
 
     def why_not_recompile(self, calls_left: int) -> str:
         """Why recompiling the training graph (a cut changes its shapes) would not pay, or

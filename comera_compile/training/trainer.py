@@ -198,6 +198,7 @@ class RankAdaptiveTrainer:
         self.last_pruned: dict[str, PruneResult] = {}
         self._size_initial = self._size_of(self._counts)
         self._bar = tqdm(total=self.total_steps, unit="step") if progress else None
+        self._announce_shape_change()
 
     # ----- what the loop calls ------------------------------------------------------------
     @property
@@ -320,6 +321,15 @@ class RankAdaptiveTrainer:
         min_cut = COMPILED_MIN_CUT if compiled else 0.0
         if share > 0 and (share >= min_cut or required):
             self.prune()
+
+    def _announce_shape_change(self) -> None:
+        """Tell a measured compile (``optimize``'s default) when the first cut may change
+        the cores' shapes: the end of the early stage of a run of known length. It then
+        compiles only if that can pay before the cut."""
+        impl = getattr(unwrap(self.model), "_compiled_call_impl", None)
+        if (hasattr(impl, "shapes_change_after") and self.total_steps is not None
+                and self.early_steps is not None and self.prune_every is not None):
+            impl.shapes_change_after(self.early_steps)
 
     def _keep_compiled(self) -> bool:
         """Before a cut of a model ``optimize`` compiled (its measured compile): keep it
