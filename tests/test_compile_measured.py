@@ -128,6 +128,10 @@ def test_a_first_compile_that_cannot_pay_before_the_shapes_change_is_not_made(ca
     impl = model._compiled_call_impl
     impl.shapes_change_after(calls)
     x = torch.randn(2, 4)
+    with torch.no_grad():  # evaluation before training: eager until training compiles
+        model.eval()(x)
+    assert not ran
+    model.train()
     for _ in range(CALLS + 8):
         model(x).sum().backward()
     race = impl.races["training"]

@@ -120,10 +120,14 @@ class MeasuredCompile:
         self.eager_why = ""
         self.calls_before_change: int | None = None  # training calls until shapes change
         self.training_calls = 0
-        self.has_compiled = False
+        self.has_compiled = False  # whether a training call has run compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = self.model.training and torch.is_grad_enabled()
+        if not training and self.calls_before_change is not None and (
+                self.races[TRAINING].choice != COMPILED):
+            # cuts are coming: evaluation compiles only once training has compiled
+            return self.model._call_impl(*args, **kwargs)
         race = self.races[TRAINING if training else INFERENCE]
         if race.choice is None and _on_cuda(args, kwargs):
             torch.cuda.synchronize()  # CUDA runs ahead of the host: time finished work only
@@ -136,7 +140,7 @@ class MeasuredCompile:
                     self.run_eager(why)
                     mode = EAGER
         if mode == COMPILED:
-            self.has_compiled = True
+            self.has_compiled = self.has_compiled or training
             return self.compiled(*args, **kwargs)
         return self.model._call_impl(*args, **kwargs)
 
@@ -145,6 +149,8 @@ class MeasuredCompile:
         training calls (a rank cut). Before anything compiles, eager steps are timed first,
         and the first compile happens only if it can pay before then (module docstring)."""
         self.calls_before_change = self.training_calls + max(0, int(calls))
+        if self.races[INFERENCE].choice is None:  # evaluation waits for training's choice
+            self.races[INFERENCE] = Race(self.trials)
         race = self.races[TRAINING]
         if not self.has_compiled and race.choice is None and race.last is None:
             self.races[TRAINING] = Race(self.trials, eager_first=True)
