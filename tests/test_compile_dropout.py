@@ -112,8 +112,8 @@ def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slo
 
     monkeypatch.setattr(inductor, "compile_fx", fake_compile_fx)
 
-    def forward(x):
-        return F.dropout(x, 0.1, training=True)
+    def forward(x):  # in place: the graph keeps aten's call, and the table hashes it
+        return F.dropout(x, 0.1, training=True, inplace=True)
 
     x = torch.randn(8, 8)
     torch.compile(forward, backend="comera")(x)
@@ -129,6 +129,7 @@ def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slo
 
 @pytest.mark.parametrize("forward, drops", [
     (lambda x: F.dropout(x, 0.1, training=True), True),
+    (lambda x: F.dropout(x, 0.1, training=True, inplace=True), True),
     (lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.1), True),
     (lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.0), False),
     (lambda x: torch.relu(x @ x), False),
@@ -144,6 +145,44 @@ def test_only_graphs_that_may_drop_out_get_the_dropout_table(forward, drops):
 
     torch.compile(forward, backend=capture)(torch.randn(2, 4, 8, 8))
     assert may_drop_out(graphs[0]) is drops
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("p, drops", [(0.1, True), (0.0, False)])
+def test_a_call_passing_dropout_p_positionally_may_drop_out(p, drops):
+    """The absorbed attention (put in by the backend) takes ``dropout_p`` by position."""
+    from comera_compile.compile.dropout import may_drop_out
+
+    def attend(x, scale=1.0, dropout_p=0.0):
+        return F.dropout(x * scale, dropout_p)
+
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(attend, (graph.placeholder("x"), 1.0, p)))
+    assert may_drop_out(torch.fx.GraphModule(torch.nn.Module(), graph)) is drops
+
+
+def test_out_of_place_dropout_is_hashed_before_tracing_and_its_graph_is_cached():
+    """``F.dropout`` (what ``nn.Dropout`` calls) is pointed at the hashed dropout in the
+    dynamo graph, so no table is handed to inductor and a second compile is a cache hit;
+    the mask is still hashed (the forward's kept share) and the gradient is its mask."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.25))
+    x = torch.randn(256, 64)
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(3)
+            out = torch.compile(model, backend="comera")(x)
+            out.sum().backward()
+        assert counters["inductor"]["fxgraph_cache_hit"] == 2
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.02
+    dense = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+    torch.testing.assert_close(out[kept], dense[kept] / 0.75)
     torch._dynamo.reset()
 
 

@@ -64,7 +64,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from comera_compile.compile import matmul_orientation, reductions
 from comera_compile.compile.absorbed_attention import absorb_attention
-from comera_compile.compile.dropout import DropoutTag, may_drop_out
+from comera_compile.compile.dropout import DropoutTag, hash_dropouts, may_drop_out
 from comera_compile.compile.dropout import decompositions as dropout_decompositions
 from comera_compile.compile.host_memory import (
     host_memory_mode,
@@ -264,6 +264,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         decompositions = None
         if not cuda and "post_grad_custom_post_pass" not in config:
             config["post_grad_custom_post_pass"] = DropoutTag()
+            hash_dropouts(gm)  # traced as hashed masks: no table needed for these
             if may_drop_out(gm):  # a table handed in keeps the graph out of inductor's cache
                 decompositions = dropout_decompositions(config["fallback_random"])
         if not cuda:  # row sums in blocks (compile.reductions), thin matmuls turned around

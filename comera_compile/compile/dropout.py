@@ -15,18 +15,22 @@ kept values are scaled by ``1 / (1 - p)`` as aten does, so the mask and scale ma
 ``native_dropout_backward`` applies. The masks are of course other draws than eager's.
 Arithmetic wraps at 32 bits, as torch's int32 arithmetic does.
 
-The backend hands :func:`decompositions` to AOT autograd for CPU graphs that may drop out
-(:func:`may_drop_out`). AOT autograd's cache does not see decomposition tables, so
-:class:`DropoutTag` (a post-grad pass that changes nothing) puts this file's hash into the
-cache keys: a graph cached with aten's dropout is never served for this one, or the other
-way round. Graphs without dropout get inductor's own table: a table handed in holds an
-entry inductor's cache cannot hash, so every such graph would bypass the cache and compile
-from scratch in each new process.
+The backend rewrites a CPU graph's ``F.dropout`` calls into :func:`hashed_dropout`
+before AOT autograd traces it (:func:`hash_dropouts`), so the traced graph computes the
+hashed mask itself. Dropout reached otherwise (an attention's ``dropout_p``, an in-place
+``F.dropout``) needs :func:`decompositions` handed to AOT autograd, for graphs that still
+may drop out after the rewrite (:func:`may_drop_out`). Only those get a table: a table
+handed in holds an entry inductor's cache cannot hash, so such a graph bypasses the cache
+and compiles from scratch in each new process. AOT autograd's cache does not see
+decomposition tables, so :class:`DropoutTag` (a post-grad pass that changes nothing) puts
+this file's hash into the cache keys: a graph cached with aten's dropout is never served
+for this one, or the other way round.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from pathlib import Path
 
@@ -78,9 +82,35 @@ def native_dropout(input: Tensor, p: float, train: bool | None) -> tuple[Tensor,
     return input * keep * (1.0 / (1.0 - p)), keep
 
 
+def hashed_dropout(input: Tensor, p: float = 0.5, training: bool = True,
+                   inplace: bool = False) -> Tensor:
+    """``F.dropout`` (out of place) with the mask of :func:`keep_mask`."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    return native_dropout(input, p, training)[0] if training else input
+
+
+def hash_dropouts(gm: fx.GraphModule) -> int:
+    """Point a dynamo graph's out-of-place ``F.dropout`` calls at :func:`hashed_dropout`;
+    returns how many. An in-place one (its input must change) is left to the table."""
+    import torch.nn.functional as F
+
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not F.dropout:
+            continue
+        inplace = node.kwargs.get("inplace", node.args[3] if len(node.args) > 3 else False)
+        if inplace is False:
+            node.target = hashed_dropout
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def may_drop_out(gm: fx.GraphModule) -> bool:
-    """Whether a dynamo graph may call dropout: a dropout function or module, or an
-    attention whose ``dropout_p`` is not the constant 0."""
+    """Whether a dynamo graph may call dropout: a dropout function or module, or a call
+    (an attention) whose ``dropout_p`` is not the constant 0."""
     for node in gm.graph.nodes:
         if node.op == "call_module":
             target = type(gm.get_submodule(node.target)).__name__
@@ -88,13 +118,27 @@ def may_drop_out(gm: fx.GraphModule) -> bool:
             target = getattr(node.target, "__name__", str(node.target))
         else:
             continue
-        if "dropout" in target.lower() or "bernoulli" in target.lower():
+        if target != "hashed_dropout" and ("dropout" in target.lower()
+                                            or "bernoulli" in target.lower()):
             return True
-        if target == "scaled_dot_product_attention":
-            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-            if not (isinstance(p, (int, float)) and p == 0):
-                return True
+        p = _dropout_p(node)
+        if not (isinstance(p, (int, float)) and p == 0):
+            return True
     return False
+
+
+def _dropout_p(node: fx.Node) -> object:
+    """The ``dropout_p`` a call passes (an attention's, ours absorbed or torch's), or 0."""
+    if "dropout_p" in node.kwargs:
+        return node.kwargs["dropout_p"]
+    try:
+        bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature: torch's attention
+        name = getattr(node.target, "__name__", "")
+        if name == "scaled_dot_product_attention" and len(node.args) > 4:
+            return node.args[4]
+        return 0.0
+    return bound.arguments.get("dropout_p", 0.0)
 
 
 def decompositions(fallback_random: bool = True) -> dict:
