@@ -13,7 +13,7 @@ in ``summary(model)``.
 When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
 cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
 first compile may not pay before its graph is thrown away: on a 2-core CPU a training
-graph's first compile took 30-53 s (``python benchmarks/compiled.py``, "compile s") for
+graph's first compile took 28-64 s (``python benchmarks/compiled.py``, "compile s") for
 steps at most 1.44x faster. So eager steps are timed first, and the model compiles only if
 the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
 steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
@@ -38,12 +38,12 @@ region, a pruned rank) costs seconds, so a gain within timing noise is not worth
 
 MAX_SPEEDUP = {"cpu": 1.5, "cuda": 4.0}
 """The most a compiled training step has gained over eager, with room (measured: 1.44x on
-a 2-core CPU, ``benchmarks/results/compiled.md``; 3.1x on one H200, ``compiled_cuda.md``)."""
+a 2-core CPU, ``benchmarks/results/compiled.md``; 2.7x on one H200, ``compiled_cuda.md``)."""
 
 MIN_COMPILE_S = 15.0
-"""What a training graph's first compile costs at the least: half the fastest measured from
-an empty cache (30 s, ``benchmarks/results/compiled.md``), leaving room for faster
-machines. Gains under this cannot pay for compiling."""
+"""What a training graph's first compile costs at the least: about half the fastest measured
+from an empty cache (28 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
+for faster machines. Gains under this cannot pay for compiling."""
 
 WARMUP = {COMPILED: 2, EAGER: 1}
 """Untimed calls per mode: the first compiled call compiles (for training: its forward,
@@ -150,8 +150,6 @@ class MeasuredCompile:
         training calls (a rank cut). Before anything compiles, eager steps are timed first,
         and the first compile happens only if it can pay before then (module docstring)."""
         self.calls_before_change = self.training_calls + max(0, int(calls))
-        if self.races[INFERENCE].choice is None:  # evaluation waits for training's choice
-            self.races[INFERENCE] = Race(self.trials)
         race = self.races[TRAINING]
         if not self.has_compiled and race.choice is None and race.last is None:
             self.races[TRAINING] = Race(self.trials, eager_first=True)
