@@ -15,8 +15,9 @@ steps and schedule, and reports held-out bits per byte:
   ends at the size of the ``default`` row (same layers, same final size, fixed ranks);
   ``comera-tt`` does the same with TT layers and is compared with the ``tt`` row;
 - ``comera-compiled`` / ``default-compiled``: the same runs with ``optimize``'s default
-  ``compile=True`` (compiled, raced against eager in the first steps), whose time
-  includes every compile; the graphs compiled are counted;
+  ``compile=True`` (eager for the measured compile's wait, or, in a rank-adaptive run of
+  known length, as long as a first compile could not pay before the first cut; then raced
+  against eager), whose time includes every compile; the graphs compiled are counted;
 - ``galore``: the full model with GaLore's optimizer (skipped if ``galore-torch`` is absent).
 
 It prints, and writes to ``benchmarks/results/pretrain.md``, val bits per byte at equal

@@ -128,9 +128,11 @@ def optimize(
     ``compile=True`` (the default) compiles the result in place, as
     ``Module.compile(backend="comera")`` does (the whole model as one graph, compiled on
     the first call; then one graph per plan region of the batch size and per rank change;
-    the class is kept), then times the first training steps compiled against eager and
+    the class is kept). It runs eager until eager calls have taken as long as the best
+    compiled step would need to repay a first compile (``compile.measured.WAIT_S``), so a
+    short run never compiles; then it times training steps compiled against eager and
     keeps the faster, so compiling never leaves a model slower (``summary`` says which
-    runs, with the measured ratio); ``compile="always"`` keeps it compiled without timing;
+    runs, with the measured ratio); ``compile="always"`` compiles at once, without timing;
     ``compile=False`` returns the eager module.
     ``format="auto"`` (with ``init="dense"`` and ``example_inputs``) sizes the layers in low
     rank, then gives each Linear layer the format (low rank, TT or TTM) of least output error

@@ -34,7 +34,7 @@ def _install(eager_s: float, compiled_s: float) -> tuple[Sleeper, list[str]]:
         time.sleep(compiled_s)
         return model.lin(x)
 
-    model._compiled_call_impl = MeasuredCompile(model, compiled, trials=3)
+    model._compiled_call_impl = MeasuredCompile(model, compiled, trials=3, wait_s=0.0)
     return model, ran
 
 
@@ -94,6 +94,7 @@ def test_optimize_default_compiles_measured_and_matches_eager():
     compiled = cc.optimize(model, budget=0.3, example_inputs=(x,))
     compiled.load_state_dict(eager.state_dict())
     assert isinstance(compiled._compiled_call_impl, MeasuredCompile)
+    compiled._compiled_call_impl.wait_s = 0.0  # race at once (the wait has its own tests)
     proj = torch.randn(32)
     for _ in range(CALLS + 1):
         for m in (eager, compiled):
@@ -105,6 +106,63 @@ def test_optimize_default_compiles_measured_and_matches_eager():
     assert race.choice in (COMPILED, EAGER)
     assert (race.choice == COMPILED) == (race.speedup >= MARGIN)
     assert "training:" in cc.summary(compiled).compiled
+
+
+def test_a_run_of_unknown_length_waits_eager_before_racing():
+    """Eager calls first, until they have taken ``wait_s``: a run shorter than that never
+    compiles (so never pays a compile it cannot win back); then the race as before."""
+    model, ran = _install(0.02, 0.005)
+    impl = model._compiled_call_impl
+    impl.wait_s = 0.3
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    assert impl.describe().startswith("training: eager until its calls have taken 0.3 s")
+    steps = 1
+    while impl.waited_s["training"] < 0.3:
+        model(x).sum().backward()
+        steps += 1
+        assert steps < 100
+    assert not ran and 12 <= steps <= 18  # 0.3 s of 20 ms periods, the first uncounted
+    for _ in range(CALLS + 2):
+        model(x).sum().backward()
+    assert ran and impl.races["training"].choice == COMPILED
+
+
+def test_the_wait_counts_training_periods_and_inference_calls_apart():
+    """An evaluation between two training calls voids that training period (it is not a
+    training step's time); inference counts its calls' own durations."""
+    model, ran = _install(0.02, 0.005)
+    impl = model._compiled_call_impl
+    impl.wait_s = 10.0
+    x = torch.randn(2, 4)
+    for _ in range(5):
+        model.train()
+        model(x).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            model(x)
+    assert impl.waited_s["training"] == 0.0
+    assert impl.waited_s["inference"] == pytest.approx(0.1, rel=0.5)
+    model.train()
+    for _ in range(4):
+        model(x).sum().backward()
+    assert impl.waited_s["training"] == pytest.approx(0.06, rel=0.5)
+    assert not ran and "inference: eager until its calls have taken 10 s" in impl.describe()
+
+
+def test_optimize_default_waits_with_the_device_rule_and_says_so():
+    from comera_compile.compile.measured import MAX_SPEEDUP, MIN_COMPILE_S, WAIT_S
+
+    assert WAIT_S["cpu"] == pytest.approx(MIN_COMPILE_S / (1 - 1 / MAX_SPEEDUP["cpu"]))
+    model = cc.optimize(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)), 0.3,
+                        example_inputs=(torch.randn(8, 32),))
+    text = cc.summary(model).compiled
+    assert f"training: eager until its calls have taken {WAIT_S['cpu']:.3g} s" in text
+    for _ in range(3):
+        model(torch.randn(8, 32)).sum().backward()
+    impl = model._compiled_call_impl
+    assert impl.wait_s == WAIT_S["cpu"] and not impl.has_compiled
+    assert impl.races["training"].choice is None and not impl.races["training"].periods[COMPILED]
 
 
 def test_compile_always_skips_the_measurement_and_bad_values_are_refused():

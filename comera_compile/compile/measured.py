@@ -10,6 +10,16 @@ compiled and eager in turn, then keeps the faster for the rest of the run. Train
 apart, since they compile to different graphs. The choices and the measured ratios are
 in ``summary(model)``.
 
+A run's length does not come with its calls, and a first compile costs more than many
+short runs take in all (28-64 s on a 2-core CPU, for steps at most 1.44x faster). So calls
+of unknown horizon run eager first, by the ski-rental rule: the race starts once eager
+calls of that kind have taken ``WAIT_S``, the time over which a compiled step at the best
+speedup seen (``MAX_SPEEDUP``) would have saved what the cheapest first compile costs
+(``MIN_COMPILE_S``). A run shorter than that never compiles, so it is never slower than
+eager; a longer one loses at most ``WAIT_S * (1 - 1 / speedup)`` to the wait. A training
+period runs from one training call to the next (an evaluation in between voids it); an
+inference call counts its own duration. ``compile="always"`` skips both wait and race.
+
 When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
 cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
 first compile may not pay before its graph is thrown away: on a 2-core CPU a training
@@ -44,6 +54,11 @@ MIN_COMPILE_S = 15.0
 """What a training graph's first compile costs at the least: about half the fastest measured
 from an empty cache (28 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
 for faster machines. Gains under this cannot pay for compiling."""
+
+WAIT_S = {device: MIN_COMPILE_S / (1 - 1 / best) for device, best in MAX_SPEEDUP.items()}
+"""Eager seconds of calls (training and inference apart) before a run of unknown length
+starts racing: the most a compiled step could have saved over them is ``MIN_COMPILE_S``
+(45 s on CPU, 20 s on CUDA). Set ``MeasuredCompile.wait_s`` to change it for one model."""
 
 WARMUP = {COMPILED: 2, EAGER: 1}
 """Untimed calls per mode: the first compiled call compiles (for training: its forward,
@@ -115,23 +130,31 @@ class MeasuredCompile:
     """A model's call that races its compiled and eager forms (training and inference
     apart) and then runs the faster; see the module docstring."""
 
-    def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3) -> None:
+    def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3,
+                 wait_s: float | None = None) -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
         self.eager_why = ""
         self.calls_before_change: int | None = None  # training calls until shapes change
         self.training_calls = 0
         self.has_compiled = False  # whether a training call has run compiled
+        self.wait_s = wait_s  # None: WAIT_S for the device the first call runs on
+        self.waited_s = {TRAINING: 0.0, INFERENCE: 0.0}  # eager seconds counted so far
+        self._training_start: float | None = None  # the last training call's start
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = self.model.training and torch.is_grad_enabled()
+        kind = TRAINING if training else INFERENCE
         if not training and self.calls_before_change is not None and (
                 self.races[TRAINING].choice != COMPILED):
             # cuts are coming: evaluation compiles only once training has compiled
             return self.model._call_impl(*args, **kwargs)
-        race = self.races[TRAINING if training else INFERENCE]
-        if race.choice is None and _on_cuda(args, kwargs):
+        race = self.races[kind]
+        cuda = _on_cuda(args, kwargs)
+        if race.choice is None and cuda:
             torch.cuda.synchronize()  # CUDA runs ahead of the host: time finished work only
+        if race.choice is None and self._waiting(kind, cuda):
+            return self._wait_eager(training, args, kwargs)
         mode = race.choice or race.next_mode(_shapes(args, kwargs))
         if training:
             self.training_calls += 1
@@ -144,6 +167,34 @@ class MeasuredCompile:
             self.has_compiled = self.has_compiled or training
             return self.compiled(*args, **kwargs)
         return self.model._call_impl(*args, **kwargs)
+
+    def _waiting(self, kind: str, cuda: bool | None = None) -> bool:
+        """Whether calls of this kind still run eager before racing (a run of unknown
+        length whose eager calls have not yet taken ``wait_s``; module docstring).
+        ``cuda``: where the call runs (None: only asking, before any call)."""
+        if self.calls_before_change is not None:
+            return False  # a known horizon decides instead (shapes_change_after)
+        if self.wait_s is None:
+            if cuda is None:
+                return True
+            self.wait_s = WAIT_S["cuda" if cuda else "cpu"]
+        return self.waited_s[kind] < self.wait_s
+
+    def _wait_eager(self, training: bool, args: tuple, kwargs: dict) -> Any:
+        """One eager call of the wait, counted: a training period runs from this training
+        call's start to the next one's (the step's backward and optimizer included); an
+        inference call counts its own duration and voids the training period around it."""
+        start = time.perf_counter()
+        if training:
+            self.training_calls += 1
+            if self._training_start is not None:
+                self.waited_s[TRAINING] += start - self._training_start
+            self._training_start = start
+            return self.model._call_impl(*args, **kwargs)
+        self._training_start = None
+        out = self.model._call_impl(*args, **kwargs)
+        self.waited_s[INFERENCE] += time.perf_counter() - start
+        return out
 
     def shapes_change_after(self, calls: int) -> None:
         """Tell the race that the training graph's shapes change after ``calls`` more
@@ -200,7 +251,14 @@ class MeasuredCompile:
             return f"eager: {self.eager_why}"
         parts = []
         for kind, race in self.races.items():
-            if race.choice is None:
+            if race.choice is None and self._waiting(kind):
+                wait = (f"{self.wait_s:.3g} s" if self.wait_s is not None else
+                        f"{WAIT_S['cpu']:.3g} s (CPU; {WAIT_S['cuda']:.3g} s on CUDA)")
+                parts.append(f"{kind}: eager until its calls have taken {wait} "
+                             f"({self.waited_s[kind]:.0f} s so far), then timed compiled "
+                             "against eager: a first compile costs at least "
+                             f"{MIN_COMPILE_S:.0f} s, more than a shorter run could save")
+            elif race.choice is None:
                 parts.append(f"{kind}: being timed compiled against eager (the first "
                              f"{WARMUP[COMPILED] + WARMUP[EAGER] + 2 * self.trials} calls)")
             elif race.choice == COMPILED:
