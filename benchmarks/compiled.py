@@ -4,7 +4,8 @@ For each model: ``optimize`` with its defaults (compiled, with the first trainin
 raced against eager, the faster kept) next to the same compressed model eager
 (``compile=False``), same weights, in one process. It prints, per model:
 
-- the forced compiled step over eager (the race's own medians, compiled with inductor);
+- the forced compiled step over eager (the race's own medians, compiled with inductor),
+  beside the most it could be on CPU (one eager step, profiled: ``compile.step_bound``);
 - what the default kept, and its steady step over eager's (alternating steps, medians):
   never below 1.0x is the point of the default (a run of unknown length first runs eager
   for ``WAIT_S``; this benchmark skips that wait and races at once);
@@ -35,12 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import fresh_cache
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
 from comera_compile.compile.measured import COMPILED  # noqa: E402
+from comera_compile.compile.step_bound import kept_seconds, speedup_bound  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 
@@ -158,6 +161,7 @@ def measure(name: str, args) -> dict:
         step(default, opt_d, x, proj)
     race_s = time.perf_counter() - t0
     step(eager, opt_e, x, proj)  # eager's warm-up
+    bound = eager_bound(eager, opt_e, x, proj) if not x.is_cuda else None
     times = {"eager": [], "default": []}
     for _ in range(args.steps):  # alternate, so drift hits both
         for label, model, opt in (("eager", eager, opt_e), ("default", default, opt_d)):
@@ -168,6 +172,7 @@ def measure(name: str, args) -> dict:
     return {
         "model": name,
         "compiled_over_eager": race.speedup,
+        "bound": bound,
         "kept": race.choice,
         "eager_ms": eager_s * 1e3,
         "default_ms": default_s * 1e3,
@@ -177,6 +182,17 @@ def measure(name: str, args) -> dict:
         "out_diff": out_diff,
         "grad_diff": grad_diff,
     }
+
+
+def eager_bound(model, opt, x, proj) -> float:
+    """The most a compiled step could gain on CPU: one eager step, profiled, over its time
+    in the kernels compiled code calls as eager does, and in the optimizer
+    (``compile.step_bound``)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step(model, opt, x, proj)
+        period = time.perf_counter() - start
+    return speedup_bound(period, kept_seconds(prof.key_averages()))
 
 
 def main() -> None:
@@ -204,12 +220,13 @@ def main() -> None:
             r = measure(name, args)
         print(r, flush=True)
         rows.append([
-            r["model"], f"{r['compiled_over_eager']:.2f}x", r["kept"],
+            r["model"], f"{r['compiled_over_eager']:.2f}x",
+            f"{r['bound']:.2f}x" if r["bound"] is not None else "-", r["kept"],
             f"{r['eager_ms']:.0f}", f"{r['default_ms']:.0f}", f"{r['default_over_eager']:.2f}x",
             f"{r['compile_s']:.0f}", f"{r['race_s']:.0f}", f"{r['out_diff']:.1e}",
             f"{r['grad_diff']:.1e}",
         ])
-    header = ["model", "compiled / eager (race)", "default kept", "eager ms", "default ms",
+    header = ["model", "compiled / eager (race)", "bound", "default kept", "eager ms", "default ms",
               "default / eager", "compile s", "race s", "out diff", "grad diff"]
     text = text_table(header, rows, right=range(1, len(header)))
     print(text)
@@ -218,9 +235,12 @@ def main() -> None:
             f"{args.budget}{fmt}), AdamW, on {args.device} with {args.threads} CPU threads; "
             "ratios are eager time over compiled time, measured in one process (the race: "
             f"{COMPILED!r} and eager steps in turn; steady: alternating steps). Differences are "
-            "relative, before any optimizer step. 'compile s': the first compiled forward and "
-            "backward, " + ("with inductor's cache as found" if args.warm_cache else
-                            "from an empty inductor cache") + ".\n\n```\n" + text + "\n```\n")
+            "relative, before any optimizer step. 'bound': one eager step, profiled, over its time "
+            "in matrix products, attention and the optimizer, which compiled CPU code runs as "
+            "eager does (compile.step_bound): the most a compiled step could gain. 'compile s': "
+            "the first compiled forward and backward, "
+            + ("with inductor's cache as found" if args.warm_cache else
+               "from an empty inductor cache") + ".\n\n```\n" + text + "\n```\n")
     if not args.no_write:
         print("wrote", write_results(args.results_name, "Compiled against eager", body))
 

@@ -213,3 +213,83 @@ def test_a_rank_adaptive_trainer_of_known_length_announces_its_first_cut():
     RankAdaptiveTrainer(model, opt, total_steps=300, target_ratio=0.5)
     assert impl.calls_before_change == 60  # the early stage: a fifth of the run
     assert impl.races["training"].plan[0] == EAGER
+
+
+class _Row:
+    def __init__(self, key, self_us, total_us):
+        self.key, self.self_cpu_time_total, self.cpu_time_total = key, self_us, total_us
+
+
+def test_kept_time_is_matmuls_attention_convolutions_and_the_optimizer():
+    from comera_compile.compile.step_bound import kept_seconds, speedup_bound
+
+    rows = [_Row("aten::mm", 40_000, 41_000), _Row("aten::addmm", 5_000, 6_000),
+            _Row("aten::_scaled_dot_product_flash_attention_for_cpu_backward", 10_000, 12_000),
+            _Row("Optimizer.step#AdamW.step", 100, 5_000), _Row("aten::gelu", 9_000, 9_000),
+            _Row("aten::add", 3_000, 3_000), _Row("aten::linear", 50, 47_000)]
+    assert kept_seconds(rows) == pytest.approx(0.060)  # 40 + 5 + 10 ms self, 5 ms optimizer
+    assert speedup_bound(0.080, kept_seconds(rows)) == pytest.approx(80 / 60)
+    assert speedup_bound(0.080, 0.0) == float("inf")
+
+
+class _StubProfiler:
+    def __init__(self, rows):
+        self.rows, self.stopped = rows, False
+
+    def __exit__(self, *exc):
+        self.stopped = True
+
+    def key_averages(self):
+        assert self.stopped
+        return self.rows
+
+
+@pytest.mark.parametrize("kept_ms, wait_s", [(50, None), (80, 15.0 / (1 - 80 / 100)),
+                                             (98, "eager")])
+def test_the_profiled_bound_sets_the_wait_or_keeps_the_model_eager(kept_ms, wait_s):
+    """A step of 100 ms of which ``kept_ms`` are kernels compiled code keeps: a bound of
+    2x leaves the device's wait (its cap is MAX_SPEEDUP); 1.25x needs a longer wait to
+    repay a first compile; 1.02x, under the margin, never compiles."""
+    from comera_compile.compile.measured import MIN_COMPILE_S, WAIT_S
+
+    assert MIN_COMPILE_S == 15.0
+    model, ran = _install(0.0, 0.0)
+    impl = MeasuredCompile(model, lambda x: ran.append(COMPILED))
+    impl.wait_s = WAIT_S["cpu"]
+    impl._profiler = _StubProfiler([_Row("aten::mm", kept_ms * 1000, kept_ms * 1000)])
+    impl._read_bound(0.100)
+    assert impl.bound == pytest.approx(100 / kept_ms)
+    if wait_s == "eager":
+        assert impl.races["training"].choice == EAGER
+        assert "could gain at most 1.02x" in impl.describe()
+    else:
+        assert impl.wait_s == pytest.approx(wait_s or WAIT_S["cpu"])
+        assert f"at most {100 / kept_ms:.2f}x faster compiled" in impl.describe()
+
+
+def test_a_step_spent_in_matmuls_is_profiled_once_and_never_compiles():
+    """Two wide products and SGD: nearly the whole step is in kernels a compiled step
+    calls as eager does, so the first profiled step keeps the model eager for good."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096, bias=False), nn.Linear(4096, 1024, bias=False))
+    ran = []
+    model._compiled_call_impl = impl = MeasuredCompile(model, lambda x: ran.append(x))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(1024, 1024)
+    for _ in range(4):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert impl.bound is not None and impl.bound < MARGIN
+    assert not ran and impl.describe().startswith("eager: a compiled step could gain at most")
+
+
+def test_no_profile_is_taken_while_the_user_profiles():
+    model, ran = _install(0.001, 0.001)
+    impl = MeasuredCompile(model, lambda x: ran.append(x))
+    model._compiled_call_impl = impl
+    x = torch.randn(2, 4)
+    with torch.profiler.profile():
+        for _ in range(4):
+            model(x).sum().backward()
+    assert impl.bound is None and impl._profiler is None and not ran

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_compile.compile.step_bound import kept_seconds, speedup_bound
+
 COMPILED, EAGER = "compiled", "eager"
 TRAINING, INFERENCE = "training", "inference"
 
@@ -139,6 +141,9 @@ class MeasuredCompile:
         self.training_calls = 0
         self.has_compiled = False  # whether a training call has run compiled
         self.wait_s = wait_s  # None: WAIT_S for the device the first call runs on
+        self.wait_by_rule = wait_s is None  # then a profiled step may lengthen it
+        self.bound: float | None = None  # the compiled step's best speedup (step_bound)
+        self._profiler: Any = None
         self.waited_s = {TRAINING: 0.0, INFERENCE: 0.0}  # eager seconds counted so far
         self._training_start: float | None = None  # the last training call's start
 
@@ -188,13 +193,41 @@ class MeasuredCompile:
         if training:
             self.training_calls += 1
             if self._training_start is not None:
-                self.waited_s[TRAINING] += start - self._training_start
+                period = start - self._training_start
+                self.waited_s[TRAINING] += period
+                if self._profiler is not None:
+                    self._read_bound(period)
+                    if self.eager_why:
+                        return self.model._call_impl(*args, **kwargs)
+                elif (self.bound is None and self.wait_by_rule
+                      and self.wait_s == WAIT_S["cpu"]):  # profiled on CPU only
+                    self._profiler = _start_profiler()
+                    start = time.perf_counter()  # the profiled period starts here
             self._training_start = start
             return self.model._call_impl(*args, **kwargs)
         self._training_start = None
+        self._profiler = _stop_profiler(self._profiler)  # an evaluation voids the period
         out = self.model._call_impl(*args, **kwargs)
         self.waited_s[INFERENCE] += time.perf_counter() - start
         return out
+
+    def _read_bound(self, period: float) -> None:
+        """End the profiled training period: its bound (``compile.step_bound``) lengthens
+        the wait to what a step that gains at most that much needs, or, under ``MARGIN``,
+        keeps the model eager for good."""
+        profiler, self._profiler = self._profiler, None
+        _stop_profiler(profiler)
+        kept = kept_seconds(profiler.key_averages())
+        self.bound = speedup_bound(period, kept)
+        if self.bound < MARGIN:
+            self.run_eager(
+                f"a compiled step could gain at most {self.bound:.2f}x (under the "
+                f"{MARGIN:.2f}x it must gain): {kept / period:.0%} of an eager step is in "
+                "matrix products, attention, convolutions and the optimizer, which compiled "
+                "code runs as eager does (compile.step_bound)")
+        else:
+            best = min(self.bound, MAX_SPEEDUP["cpu"])
+            self.wait_s = MIN_COMPILE_S / (1 - 1 / best)
 
     def shapes_change_after(self, calls: int) -> None:
         """Tell the race that the training graph's shapes change after ``calls`` more
@@ -254,10 +287,12 @@ class MeasuredCompile:
             if race.choice is None and self._waiting(kind):
                 wait = (f"{self.wait_s:.3g} s" if self.wait_s is not None else
                         f"{WAIT_S['cpu']:.3g} s (CPU; {WAIT_S['cuda']:.3g} s on CUDA)")
+                bound = (f"; its step, at most {self.bound:.2f}x faster compiled"
+                         if self.bound is not None and kind == TRAINING else "")
                 parts.append(f"{kind}: eager until its calls have taken {wait} "
                              f"({self.waited_s[kind]:.0f} s so far), then timed compiled "
                              "against eager: a first compile costs at least "
-                             f"{MIN_COMPILE_S:.0f} s, more than a shorter run could save")
+                             f"{MIN_COMPILE_S:.0f} s, more than a shorter run could save{bound}")
             elif race.choice is None:
                 parts.append(f"{kind}: being timed compiled against eager (the first "
                              f"{WARMUP[COMPILED] + WARMUP[EAGER] + 2 * self.trials} calls)")
@@ -267,3 +302,20 @@ class MeasuredCompile:
                 parts.append(f"{kind}: eager, the compiled step measured {race.speedup:.2f}x "
                              f"eager's (under the {MARGIN:.2f}x it must gain)")
         return "; ".join(parts)
+
+
+def _start_profiler() -> Any:
+    """torch's CPU profiler, started (None if another profiler is running)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if torch._C._autograd._profiler_enabled():
+        return None
+
+    profiler = profile(activities=[ProfilerActivity.CPU])
+    profiler.__enter__()
+    return profiler
+
+
+def _stop_profiler(profiler: Any) -> None:
+    if profiler is not None:
+        profiler.__exit__(None, None, None)

@@ -1,0 +1,51 @@
+"""The most a compiled training step can gain over eager on CPU, read from one eager step.
+
+Compiled code on CPU calls the same kernels eager does for matrix products, attention and
+convolutions (inductor runs them as extern kernels), and the optimizer step runs outside
+the compiled graph either way. Compiling can remove only the rest: elementwise and
+reduction kernels (fused), Python and autograd overhead. So over one eager training step
+profiled with torch's profiler,
+
+    bound = step time / (time in those kernels + time in the optimizer),
+
+is the speedup a compiled step would reach if the rest took no time at all: no compiled
+step beats it. :class:`~comera_compile.compile.measured.MeasuredCompile` profiles one step
+of its wait and neither compiles a model whose bound is under the margin it asks of a
+compiled step, nor waits as if its steps could gain more than the bound allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+KEPT_KERNELS = frozenset({
+    "aten::mm", "aten::addmm", "aten::_addmm_activation", "aten::bmm", "aten::baddbmm",
+    "aten::addbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::mkldnn_convolution", "aten::convolution_backward",
+    "aten::_slow_conv2d_forward", "aten::_slow_conv2d_backward",
+})
+"""Ops whose kernels compiled CPU code calls as eager does (their self time counts)."""
+
+OPTIMIZER_PREFIX = "Optimizer."
+"""torch's optimizers record ``Optimizer.step#AdamW.step`` and ``Optimizer.zero_grad#...``
+ranges (their total time counts: compiled graphs leave the optimizer eager)."""
+
+
+def kept_seconds(events: Iterable[Any]) -> float:
+    """Seconds of one profiled step that compiled code keeps: the self time of
+    ``KEPT_KERNELS`` and the total time of optimizer ranges, from ``key_averages()``
+    rows (``key``, ``self_cpu_time_total`` and ``cpu_time_total``, in microseconds)."""
+    kept_us = 0.0
+    for row in events:
+        if row.key in KEPT_KERNELS:
+            kept_us += row.self_cpu_time_total
+        elif row.key.startswith(OPTIMIZER_PREFIX):
+            kept_us += row.cpu_time_total
+    return kept_us * 1e-6
+
+
+def speedup_bound(step_s: float, kept_s: float) -> float:
+    """``step_s / kept_s``: the compiled step's best speedup (``inf`` if nothing is kept)."""
+    return step_s / kept_s if kept_s > 0 else float("inf")
