@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.step_bound import kept_seconds, speedup_bound
+from comera_compile.compile.step_bound import StepProfile
 
 COMPILED, EAGER = "compiled", "eager"
 TRAINING, INFERENCE = "training", "inference"
@@ -143,7 +143,7 @@ class MeasuredCompile:
         self.wait_s = wait_s  # None: WAIT_S for the device the first call runs on
         self.wait_by_rule = wait_s is None  # then a profiled step may lengthen it
         self.bound: float | None = None  # the compiled step's best speedup (step_bound)
-        self._profiler: Any = None
+        self._profile: StepProfile | None = None
         self.waited_s = {TRAINING: 0.0, INFERENCE: 0.0}  # eager seconds counted so far
         self._training_start: float | None = None  # the last training call's start
 
@@ -195,18 +195,21 @@ class MeasuredCompile:
             if self._training_start is not None:
                 period = start - self._training_start
                 self.waited_s[TRAINING] += period
-                if self._profiler is not None:
+                if self._profile is not None:
                     self._read_bound(period)
                     if self.eager_why:
                         return self.model._call_impl(*args, **kwargs)
                 elif (self.bound is None and self.wait_by_rule
-                      and self.wait_s == WAIT_S["cpu"]):  # profiled on CPU only
-                    self._profiler = _start_profiler()
-                    start = time.perf_counter()  # the profiled period starts here
+                      and self.wait_s == WAIT_S["cpu"]  # profiled on CPU only
+                      and StepProfile.available()):
+                    self._profile = StepProfile()
+                    start = self._profile.start  # the profiled period starts here
             self._training_start = start
             return self.model._call_impl(*args, **kwargs)
         self._training_start = None
-        self._profiler = _stop_profiler(self._profiler)  # an evaluation voids the period
+        if self._profile is not None:  # an evaluation voids the period
+            self._profile.stop()
+            self._profile = None
         out = self.model._call_impl(*args, **kwargs)
         self.waited_s[INFERENCE] += time.perf_counter() - start
         return out
@@ -215,16 +218,15 @@ class MeasuredCompile:
         """End the profiled training period: its bound (``compile.step_bound``) lengthens
         the wait to what a step that gains at most that much needs, or, under ``MARGIN``,
         keeps the model eager for good."""
-        profiler, self._profiler = self._profiler, None
-        _stop_profiler(profiler)
-        kept = kept_seconds(profiler.key_averages())
-        self.bound = speedup_bound(period, kept)
+        profile, self._profile = self._profile, None
+        self.bound = profile.bound(period)
         if self.bound < MARGIN:
             self.run_eager(
                 f"a compiled step could gain at most {self.bound:.2f}x (under the "
-                f"{MARGIN:.2f}x it must gain): {kept / period:.0%} of an eager step is in "
-                "matrix products, attention, convolutions and the optimizer, which compiled "
-                "code runs as eager does (compile.step_bound)")
+                f"{MARGIN:.2f}x it must gain): {1 / self.bound:.0%} of an eager step is in "
+                "matrix products, attention, convolutions, the optimizer and the loop's "
+                "own work, which compiled code leaves as eager runs them "
+                "(compile.step_bound)")
         else:
             best = min(self.bound, MAX_SPEEDUP["cpu"])
             self.wait_s = MIN_COMPILE_S / (1 - 1 / best)
@@ -302,20 +304,3 @@ class MeasuredCompile:
                 parts.append(f"{kind}: eager, the compiled step measured {race.speedup:.2f}x "
                              f"eager's (under the {MARGIN:.2f}x it must gain)")
         return "; ".join(parts)
-
-
-def _start_profiler() -> Any:
-    """torch's CPU profiler, started (None if another profiler is running)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if torch._C._autograd._profiler_enabled():
-        return None
-
-    profiler = profile(activities=[ProfilerActivity.CPU])
-    profiler.__enter__()
-    return profiler
-
-
-def _stop_profiler(profiler: Any) -> None:
-    if profiler is not None:
-        profiler.__exit__(None, None, None)

@@ -9,15 +9,22 @@ profiled with torch's profiler,
     bound = step time / (time in those kernels + time in the optimizer),
 
 is the speedup a compiled step would reach if the rest took no time at all: no compiled
-step beats it. :class:`~comera_compile.compile.measured.MeasuredCompile` profiles one step
-of its wait and neither compiles a model whose bound is under the margin it asks of a
-compiled step, nor waits as if its steps could gain more than the bound allows.
+step beats it. :class:`StepProfile` profiles a step from its forward call until the
+optimizer's step ends, so the profiler does not run on past the step; the rest of the
+step's period (the loop's own work) counts as kept.
+:class:`~comera_compile.compile.measured.MeasuredCompile` profiles one step of its wait and
+neither compiles a model whose bound is under the margin it asks of a compiled step, nor
+waits as if its steps could gain more than the bound allows.
 """
 
 from __future__ import annotations
 
+import atexit
+import time
 from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 KEPT_KERNELS = frozenset({
     "aten::mm", "aten::addmm", "aten::_addmm_activation", "aten::bmm", "aten::baddbmm",
@@ -49,3 +56,49 @@ def kept_seconds(events: Iterable[Any]) -> float:
 def speedup_bound(step_s: float, kept_s: float) -> float:
     """``step_s / kept_s``: the compiled step's best speedup (``inf`` if nothing is kept)."""
     return step_s / kept_s if kept_s > 0 else float("inf")
+
+
+_running: set[StepProfile] = set()  # stopped at exit: a profiler left running crashes it
+
+
+class StepProfile:
+    """torch's CPU profiler over one training step: started at the forward call, stopped
+    when an optimizer's step ends (a global post-step hook, removed with the profiler) or
+    by :meth:`stop` (the model's next call, or the interpreter's exit)."""
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profiler = profile(activities=[ProfilerActivity.CPU])
+        self.end: float | None = None
+        self.profiler.__enter__()
+        if not _running:
+            atexit.register(_stop_all)
+        _running.add(self)
+        self.hook = register_optimizer_step_post_hook(lambda *_: self.stop())
+        self.start = time.perf_counter()
+
+    @staticmethod
+    def available() -> bool:
+        """Whether a step can be profiled (no other profiler is running)."""
+        return not torch._C._autograd._profiler_enabled()
+
+    def stop(self) -> None:
+        if self in _running:
+            self.end = time.perf_counter()
+            _running.discard(self)
+            self.hook.remove()
+            self.profiler.__exit__(None, None, None)
+
+    def bound(self, period: float) -> float:
+        """The compiled step's best speedup, for a step of ``period`` seconds from this
+        profile's start; what the profile did not see counts as kept."""
+        self.stop()
+        outside = max(0.0, period - (self.end - self.start))
+        return speedup_bound(period, kept_seconds(self.profiler.key_averages()) + outside)
+
+
+def _stop_all() -> None:
+    for step in list(_running):
+        step.stop()
