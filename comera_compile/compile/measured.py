@@ -246,7 +246,8 @@ class MeasuredCompile:
         if self.calls_before_change is None or eager is None:
             return ""
         calls = self.calls_before_change - self.training_calls
-        most = calls * eager * (1 - 1 / MAX_SPEEDUP["cuda" if cuda else "cpu"])
+        best = min(MAX_SPEEDUP["cuda" if cuda else "cpu"], self.bound or float("inf"))
+        most = calls * eager * (1 - 1 / best)
         if most >= MIN_COMPILE_S:
             return ""
         return (f"the cores' shapes change in {max(calls, 0)} steps, and a compiled step "
