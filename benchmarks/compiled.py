@@ -36,14 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import fresh_cache
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
 from comera_compile.compile.measured import COMPILED  # noqa: E402
-from comera_compile.compile.step_bound import kept_seconds, speedup_bound  # noqa: E402
+from comera_compile.compile.step_bound import StepProfile  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 
@@ -185,14 +184,11 @@ def measure(name: str, args) -> dict:
 
 
 def eager_bound(model, opt, x, proj) -> float:
-    """The most a compiled step could gain on CPU: one eager step, profiled, over its time
-    in the kernels compiled code calls as eager does, and in the optimizer
-    (``compile.step_bound``)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        step(model, opt, x, proj)
-        period = time.perf_counter() - start
-    return speedup_bound(period, kept_seconds(prof.key_averages()))
+    """The most a compiled step could gain on CPU: one eager step, profiled as the default
+    compile profiles one (``compile.step_bound.StepProfile``)."""
+    profile = StepProfile()
+    step(model, opt, x, proj)
+    return profile.bound(time.perf_counter() - profile.start)
 
 
 def main() -> None:

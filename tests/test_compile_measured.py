@@ -252,7 +252,7 @@ def test_the_profiled_bound_sets_the_wait_or_keeps_the_model_eager(bound, wait_s
     assert MIN_COMPILE_S == 15.0
     model, ran = _install(0.0, 0.0)
     impl = MeasuredCompile(model, lambda x: ran.append(COMPILED))
-    impl.wait_s = WAIT_S["cpu"]
+    impl._cuda = False  # calls ran on CPU; the wait is the rule's
     impl._profile = _StubProfile(bound)
     impl._read_bound(0.100)
     assert impl.bound == bound and impl._profile is None

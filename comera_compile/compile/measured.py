@@ -11,7 +11,7 @@ apart, since they compile to different graphs. The choices and the measured rati
 in ``summary(model)``.
 
 A run's length does not come with its calls, and a first compile costs more than many
-short runs take in all (28-64 s on a 2-core CPU, for steps at most 1.44x faster). So calls
+short runs take in all (29-64 s on a 2-core CPU, for steps at most 1.43x faster). So calls
 of unknown horizon run eager first, by the ski-rental rule: the race starts once eager
 calls of that kind have taken ``WAIT_S``, the time over which a compiled step at the best
 speedup seen (``MAX_SPEEDUP``) would have saved what the cheapest first compile costs
@@ -23,8 +23,8 @@ inference call counts its own duration. ``compile="always"`` skips both wait and
 When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
 cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
 first compile may not pay before its graph is thrown away: on a 2-core CPU a training
-graph's first compile took 28-64 s (``python benchmarks/compiled.py``, "compile s") for
-steps at most 1.44x faster. So eager steps are timed first, and the model compiles only if
+graph's first compile took 29-64 s (``python benchmarks/compiled.py``, "compile s") for
+steps at most 1.43x faster. So eager steps are timed first, and the model compiles only if
 the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
 steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
 """
@@ -49,18 +49,24 @@ MARGIN = 1.05
 region, a pruned rank) costs seconds, so a gain within timing noise is not worth it."""
 
 MAX_SPEEDUP = {"cpu": 1.5, "cuda": 4.0}
-"""The most a compiled training step has gained over eager, with room (measured: 1.44x on
-a 2-core CPU, ``benchmarks/results/compiled.md``; 2.7x on one H200, ``compiled_cuda.md``)."""
+"""The most a compiled training step has gained over eager, with room (measured: 1.43x on
+a 2-core CPU, ``benchmarks/results/compiled_tt.md``; 2.7x on one H200, ``compiled_cuda.md``)."""
 
 MIN_COMPILE_S = 15.0
 """What a training graph's first compile costs at the least: about half the fastest measured
-from an empty cache (28 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
+from an empty cache (29 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
 for faster machines. Gains under this cannot pay for compiling."""
 
-WAIT_S = {device: MIN_COMPILE_S / (1 - 1 / best) for device, best in MAX_SPEEDUP.items()}
+def wait_for(best: float) -> float:
+    """Eager seconds over which steps that a compiled step would run ``best`` times faster
+    give up what the cheapest first compile costs (``MIN_COMPILE_S``)."""
+    return MIN_COMPILE_S / (1 - 1 / best)
+
+
+WAIT_S = {device: wait_for(best) for device, best in MAX_SPEEDUP.items()}
 """Eager seconds of calls (training and inference apart) before a run of unknown length
-starts racing: the most a compiled step could have saved over them is ``MIN_COMPILE_S``
-(45 s on CPU, 20 s on CUDA). Set ``MeasuredCompile.wait_s`` to change it for one model."""
+starts racing, where no profiled bound is known (45 s on CPU, 20 s on CUDA). Set
+``MeasuredCompile.wait_s`` to fix it for one model."""
 
 WARMUP = {COMPILED: 2, EAGER: 1}
 """Untimed calls per mode: the first compiled call compiles (for training: its forward,
@@ -140,9 +146,9 @@ class MeasuredCompile:
         self.calls_before_change: int | None = None  # training calls until shapes change
         self.training_calls = 0
         self.has_compiled = False  # whether a training call has run compiled
-        self.wait_s = wait_s  # None: WAIT_S for the device the first call runs on
-        self.wait_by_rule = wait_s is None  # then a profiled step may lengthen it
+        self._wait_set = wait_s  # None: by the rule (the device, the profiled bound)
         self.bound: float | None = None  # the compiled step's best speedup (step_bound)
+        self._cuda: bool | None = None  # where the calls run, once one has
         self._profile: StepProfile | None = None
         self.waited_s = {TRAINING: 0.0, INFERENCE: 0.0}  # eager seconds counted so far
         self._training_start: float | None = None  # the last training call's start
@@ -158,13 +164,14 @@ class MeasuredCompile:
         cuda = _on_cuda(args, kwargs)
         if race.choice is None and cuda:
             torch.cuda.synchronize()  # CUDA runs ahead of the host: time finished work only
-        if race.choice is None and self._waiting(kind, cuda):
+        self._cuda = cuda
+        if race.choice is None and self._waiting(kind):
             return self._wait_eager(training, args, kwargs)
         mode = race.choice or race.next_mode(_shapes(args, kwargs))
         if training:
             self.training_calls += 1
             if mode == COMPILED and not self.has_compiled:
-                why = self._why_not_compile(race, _on_cuda(args, kwargs))
+                why = self._why_not_compile(race, cuda)
                 if why:
                     self.run_eager(why)
                     mode = EAGER
@@ -173,17 +180,24 @@ class MeasuredCompile:
             return self.compiled(*args, **kwargs)
         return self.model._call_impl(*args, **kwargs)
 
-    def _waiting(self, kind: str, cuda: bool | None = None) -> bool:
-        """Whether calls of this kind still run eager before racing (a run of unknown
-        length whose eager calls have not yet taken ``wait_s``; module docstring).
-        ``cuda``: where the call runs (None: only asking, before any call)."""
-        if self.calls_before_change is not None:
-            return False  # a known horizon decides instead (shapes_change_after)
-        if self.wait_s is None:
-            if cuda is None:
-                return True
-            self.wait_s = WAIT_S["cuda" if cuda else "cpu"]
-        return self.waited_s[kind] < self.wait_s
+    @property
+    def wait_s(self) -> float:
+        """Eager seconds each kind of call runs before the race (module docstring): set,
+        or by the rule, ``WAIT_S`` of the device lengthened to the profiled bound's
+        ``wait_for`` (on CPU before any call)."""
+        if self._wait_set is not None:
+            return self._wait_set
+        best = MAX_SPEEDUP["cuda" if self._cuda else "cpu"]
+        return wait_for(min(best, self.bound)) if self.bound is not None else wait_for(best)
+
+    @wait_s.setter
+    def wait_s(self, seconds: float) -> None:
+        self._wait_set = seconds
+
+    def _waiting(self, kind: str) -> bool:
+        """Whether calls of this kind still run eager before racing: a run of unknown
+        length (a known one decides by ``shapes_change_after``) short of ``wait_s``."""
+        return self.calls_before_change is None and self.waited_s[kind] < self.wait_s
 
     def _wait_eager(self, training: bool, args: tuple, kwargs: dict) -> Any:
         """One eager call of the wait, counted: a training period runs from this training
@@ -197,11 +211,8 @@ class MeasuredCompile:
                 self.waited_s[TRAINING] += period
                 if self._profile is not None:
                     self._read_bound(period)
-                    if self.eager_why:
-                        return self.model._call_impl(*args, **kwargs)
-                elif (self.bound is None and self.wait_by_rule
-                      and self.wait_s == WAIT_S["cpu"]  # profiled on CPU only
-                      and StepProfile.available()):
+                elif (self.bound is None and self._wait_set is None and not self._cuda
+                      and StepProfile.available()):  # profiled on CPU only
                     self._profile = StepProfile()
                     start = self._profile.start  # the profiled period starts here
             self._training_start = start
@@ -216,8 +227,7 @@ class MeasuredCompile:
 
     def _read_bound(self, period: float) -> None:
         """End the profiled training period: its bound (``compile.step_bound``) lengthens
-        the wait to what a step that gains at most that much needs, or, under ``MARGIN``,
-        keeps the model eager for good."""
+        the wait (``wait_s``) or, under ``MARGIN``, keeps the model eager for good."""
         profile, self._profile = self._profile, None
         self.bound = profile.bound(period)
         if self.bound < MARGIN:
@@ -227,9 +237,6 @@ class MeasuredCompile:
                 "matrix products, attention, convolutions, the optimizer and the loop's "
                 "own work, which compiled code leaves as eager runs them "
                 "(compile.step_bound)")
-        else:
-            best = min(self.bound, MAX_SPEEDUP["cpu"])
-            self.wait_s = MIN_COMPILE_S / (1 - 1 / best)
 
     def shapes_change_after(self, calls: int) -> None:
         """Tell the race that the training graph's shapes change after ``calls`` more
@@ -288,7 +295,8 @@ class MeasuredCompile:
         parts = []
         for kind, race in self.races.items():
             if race.choice is None and self._waiting(kind):
-                wait = (f"{self.wait_s:.3g} s" if self.wait_s is not None else
+                known = self._cuda is not None or self._wait_set is not None
+                wait = (f"{self.wait_s:.3g} s" if known else
                         f"{WAIT_S['cpu']:.3g} s (CPU; {WAIT_S['cuda']:.3g} s on CUDA)")
                 bound = (f"; its step, at most {self.bound:.2f}x faster compiled"
                          if self.bound is not None and kind == TRAINING else "")
