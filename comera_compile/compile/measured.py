@@ -11,7 +11,7 @@ apart, since they compile to different graphs. The choices and the measured rati
 in ``summary(model)``.
 
 A run's length does not come with its calls, and a first compile costs more than many
-short runs take in all (29-64 s on a 2-core CPU, for steps at most 1.43x faster). So calls
+short runs take in all (28-64 s on a 2-core CPU, for steps at most 1.43x faster). So calls
 of unknown horizon run eager first, by the ski-rental rule: the race starts once eager
 calls of that kind have taken ``WAIT_S``, the time over which a compiled step at the best
 speedup seen (``MAX_SPEEDUP``) would have saved what the cheapest first compile costs
@@ -23,7 +23,7 @@ inference call counts its own duration. ``compile="always"`` skips both wait and
 When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
 cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
 first compile may not pay before its graph is thrown away: on a 2-core CPU a training
-graph's first compile took 29-64 s (``python benchmarks/compiled.py``, "compile s") for
+graph's first compile took 28-64 s (``python benchmarks/compiled.py``, "compile s") for
 steps at most 1.43x faster. So eager steps are timed first, and the model compiles only if
 the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
 steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
@@ -54,7 +54,7 @@ a 2-core CPU, ``benchmarks/results/compiled_tt.md``; 2.7x on one H200, ``compile
 
 MIN_COMPILE_S = 15.0
 """What a training graph's first compile costs at the least: about half the fastest measured
-from an empty cache (29 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
+from an empty cache (28 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
 for faster machines. Gains under this cannot pay for compiling."""
 
 def wait_for(best: float) -> float:
