@@ -138,7 +138,7 @@ def measure(name: str, args) -> dict:
     proj = torch.randn(width, generator=torch.Generator().manual_seed(1)) / width**0.5
     proj = proj.to(args.device)
     # equality first, before any optimizer step: outputs and gradients, compiled vs eager
-    compiled_call = default._compiled_call_impl.compiled
+    compiled_call = default._compiled_call_impl.compiled_form
     out_e = output(eager, x)
     start = time.perf_counter()  # the first compiled call compiles its forward and backward
     out_c = compiled_call(x)

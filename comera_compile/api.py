@@ -126,9 +126,10 @@ def optimize(
     ``init="dense"`` starts from a TT-SVD of the current weights (for pretrained models);
     ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
     ``compile=True`` (the default) compiles the result in place, as
-    ``Module.compile(backend="comera")`` does (the whole model as one graph, compiled on
-    the first call; then one graph per plan region of the batch size and per rank change;
-    the class is kept). It runs eager until eager calls have taken as long as the best
+    ``Module.compile(backend="comera")`` does (the whole model as one graph, or, where it
+    has a stack of repeated blocks, one graph for the blocks of equal shapes and the rest
+    eager: ``compile.blocks``; then one graph per plan region of the batch size and per
+    rank change; the class is kept). It runs eager until eager calls have taken as long as the best
     compiled step would need to repay a first compile (``compile.measured.WAIT_S``), so a
     short run never compiles; then it times training steps compiled against eager and
     keeps the faster, so compiling never leaves a model slower (``summary`` says which

@@ -124,6 +124,10 @@ class CompileOptions:
     their rank bonds where that costs fewer flops.
     ``inductor_config``: ``torch._inductor.config`` entries to patch while compiling
     (checked against inductor's config when the model is compiled).
+    ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
+    rather than the whole model (``comera_compile.compile.blocks``; None: where the model
+    has them and the run keeps its shapes; True: required; False: the whole model). Not a
+    backend option: ``torch.compile(model, backend="comera")`` compiles what it is given.
     """
 
     memory: str | float = "default"
@@ -134,6 +138,7 @@ class CompileOptions:
     inductor: bool = True
     absorb_attention: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict)
+    blocks: bool | None = None
 
     def __post_init__(self) -> None:
         parse_memory(self.memory)
@@ -142,6 +147,7 @@ class CompileOptions:
         _flag("autotune", self.autotune)
         _flag("inductor", self.inductor, allow_none=False)
         _flag("absorb_attention", self.absorb_attention, allow_none=False)
+        _flag("blocks", self.blocks)
         if self.objective is not None:
             if not isinstance(self.objective, str):
                 raise TypeError(f"comera option 'objective' must be a str, got "
@@ -155,7 +161,7 @@ class CompileOptions:
         """The backend's ``options`` dict (settings left at their defaults are left out)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name == "inductor_config":
+            if f.name in ("inductor_config", "blocks"):  # not the backend's
                 continue
             value = getattr(self, f.name)
             default = f.default

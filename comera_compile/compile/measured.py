@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_compile.compile.blocks import BlockCompile
 from comera_compile.compile.step_bound import StepProfile
 
 COMPILED, EAGER = "compiled", "eager"
@@ -139,8 +140,11 @@ class MeasuredCompile:
     apart) and then runs the faster; see the module docstring."""
 
     def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3,
-                 wait_s: float | None = None) -> None:
+                 wait_s: float | None = None, blocks: BlockCompile | None = None) -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
+        self.blocks = blocks  # the model's blocks compiled (compile.blocks), where it has any
+        self._form: Callable[..., Any] | None = None  # what compiled calls run, once chosen
+        self.cuts_expected = False  # whether the run will cut ranks (expect_cuts)
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
         self.eager_why = ""
         self.calls_before_change: int | None = None  # training calls until shapes change
@@ -177,8 +181,20 @@ class MeasuredCompile:
                     mode = EAGER
         if mode == COMPILED:
             self.has_compiled = self.has_compiled or training
-            return self.compiled(*args, **kwargs)
+            return self.compiled_form(*args, **kwargs)
         return self.model._call_impl(*args, **kwargs)
+
+    @property
+    def compiled_form(self) -> Callable[..., Any]:
+        """What compiled calls run, fixed at the first: the model's blocks where it has
+        them, unless the run will cut ranks (``expect_cuts``, ``shapes_change_after``: cut
+        ranks make blocks differ, and each distinct block would be a graph of its own,
+        while the whole model recompiles once per cut); else the whole model."""
+        if self._form is None:
+            per_block = (self.blocks is not None and not self.cuts_expected
+                         and self.calls_before_change is None)
+            self._form = self.blocks if per_block else self.compiled
+        return self._form
 
     @property
     def wait_s(self) -> float:
@@ -237,6 +253,11 @@ class MeasuredCompile:
                 "matrix products, attention, convolutions, the optimizer and the loop's "
                 "own work, which compiled code leaves as eager runs them "
                 "(compile.step_bound)")
+
+    def expect_cuts(self) -> None:
+        """Tell the compile that the run will cut ranks (when, unknown): compile the whole
+        model rather than its blocks (``compiled_form``)."""
+        self.cuts_expected = True
 
     def shapes_change_after(self, calls: int) -> None:
         """Tell the race that the training graph's shapes change after ``calls`` more
@@ -308,7 +329,9 @@ class MeasuredCompile:
                 parts.append(f"{kind}: being timed compiled against eager (the first "
                              f"{WARMUP[COMPILED] + WARMUP[EAGER] + 2 * self.trials} calls)")
             elif race.choice == COMPILED:
-                parts.append(f"{kind}: compiled, {race.speedup:.2f}x eager's step")
+                what = (f" ({self.blocks.describe()})"
+                        if self._form is not None and self._form is self.blocks else "")
+                parts.append(f"{kind}: compiled{what}, {race.speedup:.2f}x eager's step")
             else:
                 parts.append(f"{kind}: eager, the compiled step measured {race.speedup:.2f}x "
                              f"eager's (under the {MARGIN:.2f}x it must gain)")

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_compile.compile.blocks import BlockCompile, blocks_pay, repeated_blocks
 from comera_compile.compile.measured import MeasuredCompile
 from comera_compile.compile.options import parse_options
 from comera_compile.config import CompileOptions
@@ -23,6 +24,7 @@ def compile_model(
     inplace: bool = False,
     in_place: bool | None = None,
     measure: bool = False,
+    blocks: bool | None = None,
     **options: Any,
 ) -> nn.Module:
     """``torch.compile(model, backend="comera", dynamic=dynamic, options=options)``.
@@ -40,6 +42,13 @@ def compile_model(
     ``model.compile`` does (see :func:`_entry`), and returns ``model`` itself (its class
     is kept). ``measure=True`` (in place only) times the first training (and inference)
     steps compiled against eager and keeps the faster (``compile.measured``).
+    ``blocks`` (in place only): compile the model's repeated blocks, one graph for blocks
+    of equal shapes, and run the rest eager (``compile.blocks``: the first compile does not
+    grow with depth); None: where each graph would serve three blocks or more
+    (``compile.blocks.blocks_pay``), unless a measured compile learns that the run will cut
+    ranks (cut blocks differ, each a graph of its own), and the whole model otherwise;
+    True: the blocks, or an error where there are none; False: the whole model. A
+    ``CompileOptions`` carries it as ``blocks``.
     ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
@@ -63,19 +72,37 @@ def compile_model(
             raise TypeError(f"compile_model's second argument is a CompileOptions, got "
                             f"{type(config).__name__}")
         options = config.to_backend_options()
+        blocks = config.blocks if blocks is None else blocks
     parse_options(options)
     # every prune and every new batch size is one more graph: leave room for a training run
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     if measure and not inplace:
         raise ValueError("measure=True acts on a model compiled in place: pass inplace=True")
-    if inplace:  # as nn.Module.compile: the model keeps its class, attributes and methods
-        compiled = torch.compile(
-            _entry(model), backend="comera", dynamic=dynamic, options=options or None
-        )
-        model._compiled_call_impl = MeasuredCompile(model, compiled) if measure else compiled
-        return model
-    return torch.compile(model, backend="comera", dynamic=dynamic, options=options or None)
+    if blocks and not inplace:
+        raise ValueError("blocks=True compiles the model's blocks in place: pass inplace=True")
+    if not inplace:
+        return torch.compile(model, backend="comera", dynamic=dynamic, options=options or None)
+
+    def comera(fn: Any) -> Any:
+        return torch.compile(fn, backend="comera", dynamic=dynamic, options=options or None)
+
+    # as nn.Module.compile: the model keeps its class, attributes and methods
+    found = repeated_blocks(model) if blocks is not False else []
+    if blocks is None and not blocks_pay(found):
+        found = []
+    if blocks and not found:
+        raise ValueError(
+            f"blocks=True: {type(model).__name__} has no stack of repeated blocks holding "
+            "tensorized layers (an nn.ModuleList or nn.Sequential of two or more modules "
+            "of one class); pass blocks=None or False to compile the whole model")
+    per_block = BlockCompile(model, found, comera) if found else None
+    whole = comera(_entry(model))
+    if measure:
+        model._compiled_call_impl = MeasuredCompile(model, whole, blocks=per_block)
+    else:
+        model._compiled_call_impl = per_block or whole
+    return model
 
 
 def _entry(model: nn.Module):

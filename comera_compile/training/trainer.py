@@ -325,8 +325,11 @@ class RankAdaptiveTrainer:
     def _announce_shape_change(self) -> None:
         """Tell a measured compile (``optimize``'s default) when the first cut may change
         the cores' shapes: the end of the early stage of a run of known length. It then
-        compiles only if that can pay before the cut."""
+        compiles only if that can pay before the cut. Any run that cuts compiles the whole
+        model rather than its blocks (``MeasuredCompile.expect_cuts``)."""
         impl = getattr(unwrap(self.model), "_compiled_call_impl", None)
+        if hasattr(impl, "expect_cuts") and self.prune_every is not None:
+            impl.expect_cuts()
         if (hasattr(impl, "shapes_change_after") and self.total_steps is not None
                 and self.early_steps is not None and self.prune_every is not None):
             impl.shapes_change_after(self.early_steps)

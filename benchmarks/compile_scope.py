@@ -1,0 +1,175 @@
+"""First compile of the whole model against its repeated blocks, from an empty cache.
+
+For each model, ``optimize(budget=0.05)`` then the model compiled two ways
+(``CompileOptions(blocks=False)``: one graph for the whole model; ``blocks=True``: the
+repeated blocks, one graph for blocks of equal shapes, the rest eager;
+``comera_compile.compile.blocks``). Each way runs in a process of its own with empty
+inductor and plan caches, so each first compile is a real cold start (the C++ precompiled
+header, built once per machine, is built before the first). It prints, per model and way:
+
+- the first compiled forward and backward's time (what a user waits for once per run);
+- the graphs the backend compiled for it;
+- the compiled training step over the eager step, alternating in that process (medians);
+- the largest difference of outputs and gradients against eager, through a random
+  projection of the output.
+
+Models: Hugging Face LLaMA at 4 and 12 layers (and at 12 with ``use_cache=False``) and
+GPT-2 from configs, torch's
+``nn.TransformerEncoder`` without dropout and the pre-norm SDPA encoder of
+``benchmarks/compiled.py``, batch 8 x 128, AdamW. Results go to
+``benchmarks/results/compile_scope.md``.
+
+    python benchmarks/compile_scope.py
+    python benchmarks/compile_scope.py --models llama --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results  # noqa: E402
+from compiled import MODELS, gradient_difference, output, step  # noqa: E402
+
+import comera_compile as cc  # noqa: E402
+from comera_compile.compile.backend import graphs_compiled  # noqa: E402
+from comera_compile.compile.blocks import blocks_pay, distinct_shapes, repeated_blocks  # noqa: E402
+from comera_compile.tables import text_table  # noqa: E402
+
+SCOPES = ("whole", "blocks")
+
+
+def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The dense model and an input batch (8 x 128). ``llama-12``: LLaMA with 12 layers;
+    ``-nocache``: with ``use_cache=False`` (in training, Hugging Face decoders otherwise
+    build a key-value cache whose per-layer state each block's graph is guarded on)."""
+    parts = name.split("-")
+    base = "sdpa-encoder" if name == "sdpa-encoder" else parts[0]
+    builder, width = MODELS[base]
+    torch.manual_seed(0)
+    dense = builder()
+    layers = next((int(p) for p in parts if p.isdigit()), None)
+    if layers or "nocache" in parts:
+        config = dense.config
+        config.num_hidden_layers = layers or config.num_hidden_layers
+        config.use_cache = "nocache" not in parts
+        torch.manual_seed(0)
+        dense = type(dense)(config)
+    x = torch.randint(0, 256, (8, 128)) if width is None else torch.randn(8, 128, width)
+    return dense.train(), x
+
+
+def measure(name: str, scope: str, steps: int) -> dict:
+    """One model compiled one way, in this (fresh) process."""
+    dense, x = build(name)
+    eager = cc.optimize(dense, budget=0.05, example_inputs=(x,), compile=False)
+    config = cc.CompressionConfig(budget=0.05, compile="always",
+                                  compile_options=cc.CompileOptions(blocks=scope == "blocks"))
+    model = cc.optimize(dense, config, example_inputs=(x,))
+    model.load_state_dict(eager.state_dict())
+    width = output(eager, x).shape[-1]
+    proj = torch.randn(width, generator=torch.Generator().manual_seed(1)) / width**0.5
+    out_e = output(eager, x)
+    (out_e @ proj).square().mean().backward()
+    before = graphs_compiled()
+    start = time.perf_counter()
+    out_c = output(model, x)
+    (out_c @ proj).square().mean().backward()
+    compile_s = time.perf_counter() - start
+    graphs = graphs_compiled() - before
+    out_diff = float((out_e - out_c).detach().abs().max() / out_e.detach().abs().max())
+    grad_diff = gradient_difference(eager, model)
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (eager, model)}
+    for m, opt in opts.items():
+        opt.zero_grad(set_to_none=True)
+        step(m, opt, x, proj)  # warm-up (the compiled one settles)
+    times = {"eager": [], "compiled": []}
+    for _ in range(steps):  # alternate, so drift hits both
+        for label, m in (("eager", eager), ("compiled", model)):
+            start = time.perf_counter()
+            step(m, opts[m], x, proj)
+            times[label].append(time.perf_counter() - start)
+    eager_s, compiled_s = (statistics.median(times[k]) for k in ("eager", "compiled"))
+    found = repeated_blocks(eager)
+    return {"model": name, "scope": scope, "compile_s": compile_s, "graphs": graphs,
+            "blocks": len(found), "shapes": distinct_shapes(found) if found else 0,
+            "default": "blocks" if blocks_pay(found) else "whole",
+            "eager_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3,
+            "speedup": eager_s / compiled_s, "out_diff": out_diff, "grad_diff": grad_diff}
+
+
+def run_cold(name: str, scope: str, steps: int) -> dict:
+    """``measure`` in a child process with empty inductor and plan caches."""
+    with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as plans:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, COMERA_CACHE_DIR=plans)
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", name, scope, "--steps", str(steps)],
+            env=env, capture_output=True, text=True, check=False)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{name} ({scope}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def build_header() -> None:
+    """Compile one small function, so the C++ precompiled header exists before any row."""
+    torch.compile(lambda t: torch.nn.functional.gelu(t) + 1)(torch.randn(8, 8))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama,llama-12,llama-12-nocache,gpt2,encoder,sdpa-encoder")
+    p.add_argument("--steps", type=int, default=5, help="alternating steps per form")
+    p.add_argument("--results-name", default="compile_scope")
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "SCOPE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    if args.child:
+        print(json.dumps(measure(*args.child, args.steps)))
+        return
+    build_header()
+    rows, notes = [], []
+    for name in args.models.split(","):
+        results = {scope: run_cold(name, scope, args.steps) for scope in SCOPES}
+        whole, blocks = results["whole"], results["blocks"]
+        for r in (whole, blocks):
+            rows.append([r["model"], r["scope"], f"{r['compile_s']:.1f}", r["graphs"],
+                         f"{r['eager_ms']:.0f}", f"{r['compiled_ms']:.0f}",
+                         f"{r['speedup']:.2f}x", f"{r['out_diff']:.1e}",
+                         f"{r['grad_diff']:.1e}"])
+        step_ratio = blocks["speedup"] / whole["speedup"]
+        rows.append(["", "whole / blocks", f"{whole['compile_s'] / blocks['compile_s']:.2f}x",
+                     "", "", "", f"{step_ratio:.2f}x", "", ""])
+        notes.append(f"{name}: {blocks['blocks']} blocks of {blocks['shapes']} distinct "
+                     f"shapes; the default compiles {blocks['default']}")
+        print(text_table(["model", "compiled", "first compile s", "graphs", "eager ms",
+                          "compiled ms", "compiled / eager", "out diff", "grad diff"],
+                         rows[-3:]), notes[-1], sep="\n", flush=True)
+    table = text_table(["model", "compiled", "first compile s", "graphs", "eager ms",
+                        "compiled ms", "compiled / eager", "out diff", "grad diff"], rows,
+                       right=range(2, 9))
+    body = (f"optimize(budget=0.05) models at batch 8 x 128, AdamW, on cpu with "
+            f"{torch.get_num_threads()} CPU threads. Each model compiled whole and by its "
+            "repeated blocks, each in a fresh process with empty inductor and plan caches "
+            "('first compile s': its first forward and backward). Step ratios are "
+            "compiled over eager in that process, alternating steps (medians); "
+            "differences are relative, before any optimizer step. 'whole / blocks': the "
+            "whole model's first compile over the blocks', and the blocks' compiled / eager "
+            "over the whole model's (each taken in its own process).\n\n"
+            f"```\n{table}\n```\n\n" + "".join(f"- {n}\n" for n in notes))
+    path = write_results(args.results_name, "First compile: whole model or its blocks", body)
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Compile a model's repeated blocks, one graph for all blocks of the same shapes.
+
+A transformer is a stack of blocks of one class. Compiled as one graph, every block is
+traced, differentiated, lowered and code-generated again (inductor reuses kernels whose
+source is identical, not the work that produced them), so a first compile grows with the
+depth. A block compiled on its own is traced once: dynamo lifts the block's parameters to
+graph inputs, so the graph the first block compiled serves every other block whose
+parameters have the same shapes, and the first compile costs about one block's, whatever
+the depth (``python benchmarks/compile_scope.py``).
+
+What runs outside the blocks (embeddings, the head, the loss) stays eager, and nothing is
+fused across two blocks. Blocks whose shapes differ (ranks chosen per layer, or cut apart
+by pruning) compile one graph per distinct set of shapes.
+
+Where blocks differ in shapes (``optimize`` gives each layer its own ranks under a budget),
+fewer blocks share each graph, and a block's graph still runs the model's work outside the
+blocks eager and fuses nothing across blocks. So by default blocks are compiled only where
+each graph serves ``MIN_SHARED`` blocks or more (``blocks_pay``). In
+``benchmarks/results/compile_scope.md``, 12 blocks of 2 shapes compiled several times
+faster than the whole model, for an equal step; 4 blocks of 2 or 3 shapes compiled barely
+faster, for a slower step.
+
+Blocks are the members of the model's stacks: an ``nn.ModuleList`` or ``nn.Sequential``
+of at least two modules of one class that hold a tensorized layer (a stack without one
+gains nothing from our backend), outermost first. Where the model has none, the caller
+compiles the whole model.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from comera_compile.nn import TensorizedLayer
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The members of ``model``'s stacks (module docstring), in model order; a stack inside
+    a block of another is left to that block's graph. [] where there is none."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()  # modules within a chosen block
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        members = list(module.children())
+        if len(members) < 2 or len({type(m) for m in members}) != 1:
+            continue
+        if isinstance(members[0], TensorizedLayer) or not all(map(_holds_tensorized, members)):
+            continue
+        blocks.extend(members)
+        inside.update(id(m) for member in members for m in member.modules())
+    return blocks
+
+
+MIN_SHARED = 3
+"""Blocks per distinct set of shapes from which compiling blocks beats the whole model."""
+
+
+def distinct_shapes(blocks: list[nn.Module]) -> int:
+    """How many graphs the blocks need at least: their distinct sets of parameter and
+    buffer shapes (a block's graph is specialised to them)."""
+    return len({(type(b), tuple((n, tuple(t.shape)) for n, t in (*b.named_parameters(),
+                                                               *b.named_buffers())))
+                for b in blocks})
+
+
+def blocks_pay(blocks: list[nn.Module]) -> bool:
+    """Whether compiling ``blocks`` rather than the whole model pays by default: each
+    graph would serve at least ``MIN_SHARED`` blocks (module docstring)."""
+    return bool(blocks) and len(blocks) >= MIN_SHARED * distinct_shapes(blocks)
+
+
+def _holds_tensorized(module: nn.Module) -> bool:
+    return any(isinstance(m, TensorizedLayer) for m in module.modules())
+
+
+def _call_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The frame a block's compile starts from: ours, so dynamo traces torch's own block
+    classes (``nn.TransformerEncoderLayer``) whole rather than skipping their frames."""
+    return block._call_impl(*args, **kwargs)
+
+
+class BlockCompile:
+    """The model's call with its blocks compiled: ``compile`` (``torch.compile`` with the
+    caller's settings) is applied to one block-calling function shared by every block, so
+    blocks of equal shapes share its graphs. Each block runs compiled only inside a call
+    of this object; called directly (the model's eager form), blocks run eager."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module],
+                 compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        self.model, self.blocks = model, blocks
+        self.active = self.installed = False
+        # a code object of this model's own: dynamo keeps its graphs per code object, so
+        # two models never share (nor use up) each other's cache entries
+        call = types.FunctionType(_call_block.__code__.replace(), _call_block.__globals__,
+                                  _call_block.__name__)
+        self.compiled_block = compile(call)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.installed:  # at first use: a caller that compiles whole never installs
+            for block in self.blocks:
+                block._compiled_call_impl = _BlockCall(self, block)
+            self.installed = True
+        self.active = True
+        try:
+            return self.model._call_impl(*args, **kwargs)
+        finally:
+            self.active = False
+
+    def describe(self) -> str:
+        names = " and ".join(sorted({type(b).__name__ for b in self.blocks}))
+        return f"{len(self.blocks)} {names} blocks compiled, the rest eager"
+
+
+class _BlockCall:
+    """A block's call: compiled within its model's ``BlockCompile`` call, else eager."""
+
+    def __init__(self, owner: BlockCompile, block: nn.Module) -> None:
+        self.owner, self.block = owner, block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.owner.active:
+            return self.owner.compiled_block(self.block, *args, **kwargs)
+        return self.block._call_impl(*args, **kwargs)

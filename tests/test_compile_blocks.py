@@ -1,0 +1,138 @@
+"""Compiling a model's repeated blocks: which modules are blocks, one graph for blocks of
+equal shapes, outputs and gradients equal to eager, and eager calls left eager."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.compile import compile_model
+from comera_compile.compile.backend import graphs_compiled
+from comera_compile.compile.blocks import blocks_pay, distinct_shapes, repeated_blocks
+from comera_compile.compile.measured import MeasuredCompile
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16, rank: int = 3) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = cc.TTLinear(width, 2 * width, ranks=rank, in_modes=[4, 4], out_modes=[4, 8])
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, ranks=(3, 3, 3)) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(Block(rank=r) for r in ranks)
+        self.head = cc.TTLinear(16, 16, ranks=2, in_modes=[4, 4], out_modes=[4, 4])
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_blocks_are_the_members_of_a_stack_of_one_class():
+    model = Stack()
+    assert repeated_blocks(model) == list(model.layers)
+    # a stack inside a block is that block's: only the outer stack counts
+    outer = nn.Sequential(*(nn.Sequential(Block(), Block()) for _ in range(2)))
+    assert repeated_blocks(outer) == list(outer)
+    # no tensorized layer, mixed classes, a lone block, or tensorized leaves: no blocks
+    assert repeated_blocks(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))) == []
+    assert repeated_blocks(nn.Sequential(Block(), nn.ReLU(), Block())) == []
+    assert repeated_blocks(nn.ModuleList([Block()])) == []
+    leaves = nn.ModuleList(cc.TTLinear(16, 16, ranks=2, in_modes=[4, 4], out_modes=[4, 4])
+                           for _ in range(3))
+    assert repeated_blocks(leaves) == []
+
+
+def test_torch_transformer_encoder_layers_are_blocks():
+    layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    x = torch.randn(2, 8, 64)
+    model = cc.optimize(encoder, budget=None, example_inputs=(x,), compile=False)
+    assert repeated_blocks(model) == list(model.layers)
+
+
+def _projected_loss(out: torch.Tensor) -> torch.Tensor:
+    proj = torch.randn(out.shape[-1], generator=torch.Generator().manual_seed(1))
+    return (out @ proj).square().mean()  # not .sum(): the gradient must not vanish
+
+
+def test_equal_blocks_share_one_graph_and_match_eager():
+    torch.manual_seed(0)
+    eager = Stack(ranks=(3, 3, 5))  # two blocks of one shape, one of another
+    model = copy.deepcopy(eager)
+    compile_model(model, inplace=True, blocks=True)
+    x = torch.randn(4, 8)
+    before = graphs_compiled()
+    out = model(x)
+    _projected_loss(out).backward()
+    assert graphs_compiled() - before == 2  # one per distinct set of block shapes
+    assert model._compiled_call_impl.describe() == "3 Block blocks compiled, the rest eager"
+    ref = eager(x)
+    _projected_loss(ref).backward()
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+    # the model's eager form (what a measured compile races against) runs blocks eager
+    before = graphs_compiled()
+    assert torch.allclose(model._call_impl(x), ref, rtol=1e-5, atol=1e-6)
+    assert model(x).shape == ref.shape and graphs_compiled() == before
+
+
+def test_blocks_true_without_blocks_names_the_fix():
+    model = nn.Sequential(cc.TTLinear(16, 16, ranks=2, in_modes=[4, 4], out_modes=[4, 4]))
+    with pytest.raises(ValueError, match="blocks=None or False"):
+        compile_model(model, inplace=True, blocks=True)
+    with pytest.raises(ValueError, match="inplace=True"):
+        compile_model(Stack(), blocks=True)
+
+
+def test_measured_compile_uses_blocks_unless_shapes_will_change():
+    model = compile_model(Stack(), inplace=True, measure=True)
+    impl = model._compiled_call_impl
+    assert isinstance(impl, MeasuredCompile) and impl.blocks is not None
+    assert impl.compiled_form is impl.blocks
+    # a run that will cut ranks compiles the whole model: cut blocks would differ
+    model = compile_model(Stack(), inplace=True, measure=True)
+    impl = model._compiled_call_impl
+    impl.shapes_change_after(10)
+    assert impl.compiled_form is impl.compiled
+    model = compile_model(Stack(), inplace=True, measure=True)
+    impl = model._compiled_call_impl
+    impl.expect_cuts()  # cuts of unknown time: the same
+    assert impl.compiled_form is impl.compiled
+    # a rank trainer that prunes says so at once
+    model = compile_model(Stack(), inplace=True, measure=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    cc.training.RankAdaptiveTrainer(model, optimizer, target_ratio=0.5)
+    assert model._compiled_call_impl.compiled_form is model._compiled_call_impl.compiled
+    # blocks of too many shapes (3 blocks, 2 shapes): the whole model by default
+    model = compile_model(Stack(ranks=(3, 3, 5)), inplace=True, measure=True)
+    assert model._compiled_call_impl.blocks is None
+    # blocks=False: the whole model
+    model = compile_model(Stack(), cc.CompileOptions(blocks=False), inplace=True, measure=True)
+    assert model._compiled_call_impl.blocks is None
+
+
+def test_blocks_pay_where_each_graph_serves_three_blocks():
+    assert distinct_shapes([Block(rank=3), Block(rank=3), Block(rank=5)]) == 2
+    assert blocks_pay([Block(rank=r) for r in (3, 3, 3, 5, 5, 5)])
+    assert not blocks_pay([Block(rank=r) for r in (3, 3, 5, 5)])
+    assert not blocks_pay([])
+
+
+def test_blocks_option_is_checked_and_not_a_backend_option():
+    with pytest.raises(TypeError, match="blocks"):
+        cc.CompileOptions(blocks="yes")
+    assert "blocks" not in cc.CompileOptions(blocks=True).to_backend_options()
+    assert cc.CompileOptions.from_dict(cc.CompileOptions(blocks=True).to_dict()).blocks is True
