@@ -116,18 +116,18 @@ def test_measured_compile_uses_blocks_unless_shapes_will_change():
     optimizer = torch.optim.AdamW(model.parameters())
     cc.training.RankAdaptiveTrainer(model, optimizer, target_ratio=0.5)
     assert model._compiled_call_impl.compiled_form is model._compiled_call_impl.compiled
-    # blocks of one shape each: the whole model by default
-    model = compile_model(Stack(ranks=(3, 4, 5)), inplace=True, measure=True)
+    # fewer than three blocks per shape (3 blocks, 2 shapes): the whole model by default
+    model = compile_model(Stack(ranks=(3, 3, 5)), inplace=True, measure=True)
     assert model._compiled_call_impl.blocks is None
     # blocks=False: the whole model
     model = compile_model(Stack(), cc.CompileOptions(blocks=False), inplace=True, measure=True)
     assert model._compiled_call_impl.blocks is None
 
 
-def test_blocks_pay_where_a_graph_serves_two_blocks():
+def test_blocks_pay_where_each_graph_serves_three_blocks():
     assert distinct_shapes([Block(rank=3), Block(rank=3), Block(rank=5)]) == 2
-    assert blocks_pay([Block(rank=r) for r in (3, 3, 5)])
-    assert not blocks_pay([Block(rank=r) for r in (3, 4, 5)])
+    assert blocks_pay([Block(rank=r) for r in (3, 3, 3, 5, 5, 5)])
+    assert not blocks_pay([Block(rank=r) for r in (3, 3, 5, 5)])
     assert not blocks_pay([])
 
 

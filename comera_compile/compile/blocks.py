@@ -10,13 +10,15 @@ the depth (``python benchmarks/compile_scope.py``).
 
 What runs outside the blocks (embeddings, the head, the loss) stays eager, nothing is
 fused across two blocks, and blocks whose shapes differ (``optimize`` gives each layer its
-own ranks under a budget; pruning cuts them apart) need a graph each. So by default blocks
-are compiled only where some graph serves two blocks or more (``blocks_pay``): where each
-block has shapes of its own, its graph saves nothing over the whole model's and loses the
-fusion across blocks. ``benchmarks/results/compile_scope.md`` measures both forms from
-empty caches, with their steps side by side. A block graph guarded on per-layer state
-(Hugging Face decoders build a key-value cache in training unless ``use_cache=False``) is
-compiled again for each block, mostly from inductor's cache.
+own ranks under a budget; pruning cuts them apart) need a graph each. The step then runs a
+few percent slower than the whole model's graph, and the first compile saves less the more
+shapes there are. So by default blocks are compiled only where each graph serves
+``MIN_SHARED`` blocks or more (``blocks_pay``), where the saving is large enough that the
+slower step takes thousands of steps to give it back (``python
+benchmarks/compile_scope.py`` measures both forms from empty caches, their steps side by
+side). A block graph guarded on per-layer state (Hugging Face decoders build a key-value
+cache in training unless ``use_cache=False``) is compiled again for each block, mostly
+from inductor's cache.
 
 Blocks are the members of the model's stacks: an ``nn.ModuleList`` or ``nn.Sequential``
 of at least two modules of one class that hold a tensorized layer (a stack without one
@@ -53,6 +55,10 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+MIN_SHARED = 3
+"""Blocks per distinct set of shapes from which compiling blocks is the default."""
+
+
 def distinct_shapes(blocks: list[nn.Module]) -> int:
     """How many graphs the blocks need at least: their distinct sets of parameter and
     buffer shapes (a block's graph is specialised to them)."""
@@ -62,9 +68,9 @@ def distinct_shapes(blocks: list[nn.Module]) -> int:
 
 
 def blocks_pay(blocks: list[nn.Module]) -> bool:
-    """Whether compiling ``blocks`` rather than the whole model pays by default: some
-    graph would serve two blocks or more (module docstring)."""
-    return bool(blocks) and len(blocks) > distinct_shapes(blocks)
+    """Whether compiling ``blocks`` rather than the whole model pays by default: each
+    graph would serve ``MIN_SHARED`` blocks or more (module docstring)."""
+    return bool(blocks) and len(blocks) >= MIN_SHARED * distinct_shapes(blocks)
 
 
 def _holds_tensorized(module: nn.Module) -> bool:

@@ -44,7 +44,7 @@ def compile_model(
     steps compiled against eager and keeps the faster (``compile.measured``).
     ``blocks`` (in place only): compile the model's repeated blocks, one graph for blocks
     of equal shapes, and run the rest eager (``compile.blocks``: the first compile does not
-    grow with depth); None: where some graph would serve two blocks or more
+    grow with depth); None: where each graph would serve three blocks or more
     (``compile.blocks.blocks_pay``), unless a measured compile learns that the run will cut
     ranks (cut blocks differ, each a graph of its own), and the whole model otherwise;
     True: the blocks, or an error where there are none; False: the whole model. A
