@@ -107,6 +107,7 @@ def test_measured_compile_uses_blocks_unless_shapes_will_change():
     impl = model._compiled_call_impl
     impl.shapes_change_after(10)
     assert impl.compiled_form is impl.compiled
+    assert "cuts ranks" in impl.whole_why
     model = compile_model(Stack(), inplace=True, measure=True)
     impl = model._compiled_call_impl
     impl.expect_cuts()  # cuts of unknown time: the same
@@ -116,9 +117,16 @@ def test_measured_compile_uses_blocks_unless_shapes_will_change():
     optimizer = torch.optim.AdamW(model.parameters())
     cc.training.RankAdaptiveTrainer(model, optimizer, target_ratio=0.5)
     assert model._compiled_call_impl.compiled_form is model._compiled_call_impl.compiled
-    # fewer than three blocks per shape (3 blocks, 2 shapes): the whole model by default
+    # fewer than three blocks per shape (3 blocks, 2 shapes): the whole model by default,
+    # and the summary says why
     model = compile_model(Stack(ranks=(3, 3, 5)), inplace=True, measure=True)
-    assert model._compiled_call_impl.blocks is None
+    impl = model._compiled_call_impl
+    assert impl.blocks is None
+    race = impl.races["training"]
+    race.choice, race.speedup = "compiled", 1.2  # as a finished race leaves it
+    assert impl.compiled_form is impl.compiled
+    assert ("compiled (the whole model: its 3 blocks have 2 shapes, and blocks compile where "
+            "each shape serves 3 or more), 1.20x") in impl.describe()
     # blocks=False: the whole model
     model = compile_model(Stack(), cc.CompileOptions(blocks=False), inplace=True, measure=True)
     assert model._compiled_call_impl.blocks is None

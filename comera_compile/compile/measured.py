@@ -142,7 +142,8 @@ class MeasuredCompile:
     def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3,
                  wait_s: float | None = None, blocks: BlockCompile | None = None) -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
-        self.blocks = blocks  # the model's blocks compiled (compile.blocks), where it has any
+        self.blocks = blocks  # the model's blocks compiled (compile.blocks), where they pay
+        self.whole_why = ""  # why the whole model compiles though it has blocks (summary)
         self._form: Callable[..., Any] | None = None  # what compiled calls run, once chosen
         self.cuts_expected = False  # whether the run will cut ranks (expect_cuts)
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
@@ -191,8 +192,10 @@ class MeasuredCompile:
         ranks make blocks differ, and each distinct block would be a graph of its own,
         while the whole model recompiles once per cut); else the whole model."""
         if self._form is None:
-            per_block = (self.blocks is not None and not self.cuts_expected
-                         and self.calls_before_change is None)
+            cuts = self.cuts_expected or self.calls_before_change is not None
+            if self.blocks is not None and cuts:
+                self.whole_why = "the run cuts ranks, and cut blocks would each be a graph"
+            per_block = self.blocks is not None and not cuts
             self._form = self.blocks if per_block else self.compiled
         return self._form
 
@@ -329,8 +332,10 @@ class MeasuredCompile:
                 parts.append(f"{kind}: being timed compiled against eager (the first "
                              f"{WARMUP[COMPILED] + WARMUP[EAGER] + 2 * self.trials} calls)")
             elif race.choice == COMPILED:
-                what = (f" ({self.blocks.describe()})"
-                        if self._form is not None and self._form is self.blocks else "")
+                if self._form is not None and self._form is self.blocks:
+                    what = f" ({self.blocks.describe()})"
+                else:
+                    what = f" (the whole model: {self.whole_why})" if self.whole_why else ""
                 parts.append(f"{kind}: compiled{what}, {race.speedup:.2f}x eager's step")
             else:
                 parts.append(f"{kind}: eager, the compiled step measured {race.speedup:.2f}x "

@@ -8,7 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.blocks import BlockCompile, blocks_pay, repeated_blocks
+from comera_compile.compile.blocks import (
+    MIN_SHARED,
+    BlockCompile,
+    blocks_pay,
+    distinct_shapes,
+    repeated_blocks,
+)
 from comera_compile.compile.measured import MeasuredCompile
 from comera_compile.compile.options import parse_options
 from comera_compile.config import CompileOptions
@@ -89,7 +95,10 @@ def compile_model(
 
     # as nn.Module.compile: the model keeps its class, attributes and methods
     found = repeated_blocks(model) if blocks is not False else []
-    if blocks is None and not blocks_pay(found):
+    whole_why = ""
+    if blocks is None and found and not blocks_pay(found):
+        whole_why = (f"its {len(found)} blocks have {distinct_shapes(found)} shapes, and "
+                     f"blocks compile where each shape serves {MIN_SHARED} or more")
         found = []
     if blocks and not found:
         raise ValueError(
@@ -100,6 +109,7 @@ def compile_model(
     whole = comera(_entry(model))
     if measure:
         model._compiled_call_impl = MeasuredCompile(model, whole, blocks=per_block)
+        model._compiled_call_impl.whole_why = whole_why
     else:
         model._compiled_call_impl = per_block or whole
     return model
