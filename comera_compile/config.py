@@ -125,8 +125,9 @@ class CompileOptions:
     ``inductor_config``: ``torch._inductor.config`` entries to patch while compiling
     (checked against inductor's config when the model is compiled).
     ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
-    rather than the whole model (``comera_compile.compile.blocks``; None: where the model
-    has them and the run keeps its shapes; True: required; False: the whole model). Not a
+    rather than the whole model (``comera_compile.compile.blocks``; None: where each graph
+    would serve three blocks or more and the run does not cut ranks; True: required;
+    False: the whole model). Not a
     backend option: ``torch.compile(model, backend="comera")`` compiles what it is given.
     """
 

@@ -73,6 +73,14 @@ def blocks_pay(blocks: list[nn.Module]) -> bool:
     return bool(blocks) and len(blocks) >= MIN_SHARED * distinct_shapes(blocks)
 
 
+def why_not_blocks(blocks: list[nn.Module]) -> str:
+    """Why the default compiles a model with these blocks whole ("" where blocks pay)."""
+    if not blocks or blocks_pay(blocks):
+        return ""
+    return (f"its {len(blocks)} blocks have {distinct_shapes(blocks)} shapes, and blocks "
+            f"compile where each shape serves {MIN_SHARED} or more")
+
+
 def _holds_tensorized(module: nn.Module) -> bool:
     return any(isinstance(m, TensorizedLayer) for m in module.modules())
 

@@ -140,10 +140,11 @@ class MeasuredCompile:
     apart) and then runs the faster; see the module docstring."""
 
     def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3,
-                 wait_s: float | None = None, blocks: BlockCompile | None = None) -> None:
+                 wait_s: float | None = None, blocks: BlockCompile | None = None,
+                 whole_why: str = "") -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
         self.blocks = blocks  # the model's blocks compiled (compile.blocks), where they pay
-        self.whole_why = ""  # why the whole model compiles though it has blocks (summary)
+        self._blocks_why = whole_why  # why the default did not take the model's blocks
         self._form: Callable[..., Any] | None = None  # what compiled calls run, once chosen
         self.cuts_expected = False  # whether the run will cut ranks (expect_cuts)
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
@@ -193,8 +194,6 @@ class MeasuredCompile:
         while the whole model recompiles once per cut); else the whole model."""
         if self._form is None:
             cuts = self.cuts_expected or self.calls_before_change is not None
-            if self.blocks is not None and cuts:
-                self.whole_why = "the run cuts ranks, and cut blocks would each be a graph"
             per_block = self.blocks is not None and not cuts
             self._form = self.blocks if per_block else self.compiled
         return self._form
@@ -256,6 +255,13 @@ class MeasuredCompile:
                 "matrix products, attention, convolutions, the optimizer and the loop's "
                 "own work, which compiled code leaves as eager runs them "
                 "(compile.step_bound)")
+
+    @property
+    def whole_why(self) -> str:
+        """Why compiled calls run the whole model though it has blocks ("" otherwise)."""
+        if self._form is not None and self._form is not self.blocks and self.blocks is not None:
+            return "the run cuts ranks, and cut blocks would each be a graph"
+        return self._blocks_why
 
     def expect_cuts(self) -> None:
         """Tell the compile that the run will cut ranks (when, unknown): compile the whole
@@ -332,10 +338,9 @@ class MeasuredCompile:
                 parts.append(f"{kind}: being timed compiled against eager (the first "
                              f"{WARMUP[COMPILED] + WARMUP[EAGER] + 2 * self.trials} calls)")
             elif race.choice == COMPILED:
+                what = f" (the whole model: {self.whole_why})" if self.whole_why else ""
                 if self._form is not None and self._form is self.blocks:
                     what = f" ({self.blocks.describe()})"
-                else:
-                    what = f" (the whole model: {self.whole_why})" if self.whole_why else ""
                 parts.append(f"{kind}: compiled{what}, {race.speedup:.2f}x eager's step")
             else:
                 parts.append(f"{kind}: eager, the compiled step measured {race.speedup:.2f}x "

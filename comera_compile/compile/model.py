@@ -8,13 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.blocks import (
-    MIN_SHARED,
-    BlockCompile,
-    blocks_pay,
-    distinct_shapes,
-    repeated_blocks,
-)
+from comera_compile.compile.blocks import BlockCompile, repeated_blocks, why_not_blocks
 from comera_compile.compile.measured import MeasuredCompile
 from comera_compile.compile.options import parse_options
 from comera_compile.config import CompileOptions
@@ -49,8 +43,8 @@ def compile_model(
     is kept). ``measure=True`` (in place only) times the first training (and inference)
     steps compiled against eager and keeps the faster (``compile.measured``).
     ``blocks`` (in place only): compile the model's repeated blocks, one graph for blocks
-    of equal shapes, and run the rest eager (``compile.blocks``: the first compile does not
-    grow with depth); None: where each graph would serve three blocks or more
+    of equal shapes, and run the rest eager (``compile.blocks``: the first compile grows far
+    less with depth); None: where each graph would serve three blocks or more
     (``compile.blocks.blocks_pay``), unless a measured compile learns that the run will cut
     ranks (cut blocks differ, each a graph of its own), and the whole model otherwise;
     True: the blocks, or an error where there are none; False: the whole model. A
@@ -95,10 +89,8 @@ def compile_model(
 
     # as nn.Module.compile: the model keeps its class, attributes and methods
     found = repeated_blocks(model) if blocks is not False else []
-    whole_why = ""
-    if blocks is None and found and not blocks_pay(found):
-        whole_why = (f"its {len(found)} blocks have {distinct_shapes(found)} shapes, and "
-                     f"blocks compile where each shape serves {MIN_SHARED} or more")
+    whole_why = why_not_blocks(found) if blocks is None else ""
+    if whole_why:
         found = []
     if blocks and not found:
         raise ValueError(
@@ -108,8 +100,8 @@ def compile_model(
     per_block = BlockCompile(model, found, comera) if found else None
     whole = comera(_entry(model))
     if measure:
-        model._compiled_call_impl = MeasuredCompile(model, whole, blocks=per_block)
-        model._compiled_call_impl.whole_why = whole_why
+        model._compiled_call_impl = MeasuredCompile(model, whole, blocks=per_block,
+                                                    whole_why=whole_why)
     else:
         model._compiled_call_impl = per_block or whole
     return model
