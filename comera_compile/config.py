@@ -126,9 +126,12 @@ class CompileOptions:
     (checked against inductor's config when the model is compiled).
     ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
     rather than the whole model (``comera_compile.compile.blocks``; None: where each graph
-    would serve three blocks or more and the run does not cut ranks; True: required;
-    False: the whole model). Not a
-    backend option: ``torch.compile(model, backend="comera")`` compiles what it is given.
+    would serve three blocks or more; True: required; False: the whole model).
+    ``symbolic_ranks``: keep the TT layers' rank bonds symbolic in the compiled graphs, so
+    rank cuts and blocks of different ranks need no new graph
+    (``comera_compile.compile.rank_dims``); False: graphs specialised to today's ranks.
+    Neither is a backend option: ``torch.compile(model, backend="comera")`` compiles what
+    it is given, at static ranks.
     """
 
     memory: str | float = "default"
@@ -140,6 +143,7 @@ class CompileOptions:
     absorb_attention: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict)
     blocks: bool | None = None
+    symbolic_ranks: bool = True
 
     def __post_init__(self) -> None:
         parse_memory(self.memory)
@@ -149,6 +153,7 @@ class CompileOptions:
         _flag("inductor", self.inductor, allow_none=False)
         _flag("absorb_attention", self.absorb_attention, allow_none=False)
         _flag("blocks", self.blocks)
+        _flag("symbolic_ranks", self.symbolic_ranks, allow_none=False)
         if self.objective is not None:
             if not isinstance(self.objective, str):
                 raise TypeError(f"comera option 'objective' must be a str, got "
@@ -162,7 +167,7 @@ class CompileOptions:
         """The backend's ``options`` dict (settings left at their defaults are left out)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("inductor_config", "blocks"):  # not the backend's
+            if f.name in ("inductor_config", "blocks", "symbolic_ranks"):  # not the backend's
                 continue
             value = getattr(self, f.name)
             default = f.default

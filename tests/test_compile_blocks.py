@@ -67,16 +67,26 @@ def _projected_loss(out: torch.Tensor) -> torch.Tensor:
     return (out @ proj).square().mean()  # not .sum(): the gradient must not vanish
 
 
-def test_equal_blocks_share_one_graph_and_match_eager():
+def _prune_first_bonds(model: nn.Module, keep: int) -> None:
+    for layer in model.modules():
+        if isinstance(layer, cc.TTLinear) and layer.ranks[1] > keep:
+            with torch.no_grad():
+                layer.gates[0][keep:] = 0.0
+            layer.prune_ranks()
+
+
+@pytest.mark.parametrize("symbolic_ranks, graphs", [(True, 1), (False, 2)])
+def test_blocks_share_graphs_and_match_eager(symbolic_ranks, graphs):
     torch.manual_seed(0)
-    eager = Stack(ranks=(3, 3, 5))  # two blocks of one shape, one of another
+    eager = Stack(ranks=(3, 3, 5))  # two blocks of one shape, one of another rank
     model = copy.deepcopy(eager)
-    compile_model(model, inplace=True, blocks=True)
+    compile_model(model, inplace=True, blocks=True, symbolic_ranks=symbolic_ranks)
     x = torch.randn(4, 8)
     before = graphs_compiled()
     out = model(x)
     _projected_loss(out).backward()
-    assert graphs_compiled() - before == 2  # one per distinct set of block shapes
+    # symbolic ranks: one graph for all; static: one per distinct set of block shapes
+    assert graphs_compiled() - before == graphs
     assert model._compiled_call_impl.describe() == "3 Block blocks compiled, the rest eager"
     ref = eager(x)
     _projected_loss(ref).backward()
@@ -87,6 +97,13 @@ def test_equal_blocks_share_one_graph_and_match_eager():
     before = graphs_compiled()
     assert torch.allclose(model._call_impl(x), ref, rtol=1e-5, atol=1e-6)
     assert model(x).shape == ref.shape and graphs_compiled() == before
+    # a rank cut: symbolic ranks compile nothing, static ranks a graph per new shape
+    for m in (model, eager):
+        _prune_first_bonds(m, keep=2)
+    before = graphs_compiled()
+    out, ref = model(x), eager(x)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert (graphs_compiled() - before == 0) == symbolic_ranks
 
 
 def test_blocks_true_without_blocks_names_the_fix():
@@ -97,29 +114,47 @@ def test_blocks_true_without_blocks_names_the_fix():
         compile_model(Stack(), blocks=True)
 
 
-def test_measured_compile_uses_blocks_unless_shapes_will_change():
+def test_measured_compile_keeps_blocks_of_symbolic_ranks_through_cuts():
+    model = compile_model(Stack(ranks=(3, 3, 5)), inplace=True, measure=True)
+    impl = model._compiled_call_impl
+    assert isinstance(impl, MeasuredCompile) and impl.blocks is not None
+    impl.shapes_change_after(10)
+    assert impl.compiled_form is impl.blocks and not impl.cuts_recompile
+    # a rank trainer that prunes learns that cuts compile nothing: the run's end is the
+    # horizon, and it prunes as an eager model does
     model = compile_model(Stack(), inplace=True, measure=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    cc.training.RankAdaptiveTrainer(model, optimizer, target_ratio=0.5, early_steps=10,
+                                    total_steps=100)
+    impl = model._compiled_call_impl
+    assert impl.compiled_form is impl.blocks
+    assert impl.calls_before_change == 100 and impl.why_not_recompile(1) == ""
+
+
+def test_measured_compile_at_static_ranks_uses_blocks_unless_shapes_will_change():
+    static = cc.CompileOptions(symbolic_ranks=False)
+    model = compile_model(Stack(), static, inplace=True, measure=True)
     impl = model._compiled_call_impl
     assert isinstance(impl, MeasuredCompile) and impl.blocks is not None
     assert impl.compiled_form is impl.blocks
     # a run that will cut ranks compiles the whole model: cut blocks would differ
-    model = compile_model(Stack(), inplace=True, measure=True)
+    model = compile_model(Stack(), static, inplace=True, measure=True)
     impl = model._compiled_call_impl
     impl.shapes_change_after(10)
-    assert impl.compiled_form is impl.compiled
+    assert impl.compiled_form is impl.compiled and impl.cuts_recompile
     assert "cuts ranks" in impl.whole_why
-    model = compile_model(Stack(), inplace=True, measure=True)
+    model = compile_model(Stack(), static, inplace=True, measure=True)
     impl = model._compiled_call_impl
     impl.expect_cuts()  # cuts of unknown time: the same
     assert impl.compiled_form is impl.compiled
     # a rank trainer that prunes says so at once
-    model = compile_model(Stack(), inplace=True, measure=True)
+    model = compile_model(Stack(), static, inplace=True, measure=True)
     optimizer = torch.optim.AdamW(model.parameters())
     cc.training.RankAdaptiveTrainer(model, optimizer, target_ratio=0.5)
     assert model._compiled_call_impl.compiled_form is model._compiled_call_impl.compiled
     # fewer than three blocks per shape (3 blocks, 2 shapes): the whole model by default,
     # and the summary says why
-    model = compile_model(Stack(ranks=(3, 3, 5)), inplace=True, measure=True)
+    model = compile_model(Stack(ranks=(3, 3, 5)), static, inplace=True, measure=True)
     impl = model._compiled_call_impl
     assert impl.blocks is None
     race = impl.races["training"]
@@ -133,9 +168,17 @@ def test_measured_compile_uses_blocks_unless_shapes_will_change():
 
 
 def test_blocks_pay_where_each_graph_serves_three_blocks():
-    assert distinct_shapes([Block(rank=3), Block(rank=3), Block(rank=5)]) == 2
-    assert blocks_pay([Block(rank=r) for r in (3, 3, 3, 5, 5, 5)])
-    assert not blocks_pay([Block(rank=r) for r in (3, 3, 5, 5)])
+    # symbolic ranks (the default): blocks that differ in rank alone share a graph
+    assert distinct_shapes([Block(rank=3), Block(rank=3), Block(rank=5)]) == 1
+    assert blocks_pay([Block(rank=r) for r in (3, 3, 5)])
+    assert not blocks_pay([Block(rank=r) for r in (3, 5)])
+    other = Block(rank=3)
+    other.down = nn.Linear(32, 16, bias=False)  # another shape than a rank's
+    assert distinct_shapes([Block(rank=3), other]) == 2
+    # static ranks: each set of ranks is a shape
+    assert distinct_shapes([Block(rank=3), Block(rank=3), Block(rank=5)], False) == 2
+    assert blocks_pay([Block(rank=r) for r in (3, 3, 3, 5, 5, 5)], False)
+    assert not blocks_pay([Block(rank=r) for r in (3, 3, 5, 5)], False)
     assert not blocks_pay([])
 
 

@@ -205,15 +205,21 @@ def test_a_first_compile_that_cannot_pay_before_the_shapes_change_is_not_made(ca
             f"{MIN_COMPILE_S:.0f} s" in why
 
 
-def test_a_rank_adaptive_trainer_of_known_length_announces_its_first_cut():
+@pytest.mark.parametrize("symbolic_ranks, horizon", [(True, 300), (False, 60)])
+def test_a_rank_adaptive_trainer_of_known_length_announces_its_horizon(symbolic_ranks, horizon):
+    """At symbolic ranks a cut compiles nothing, so the graph serves the whole run; at
+    static ranks, until the first cut (the early stage: a fifth of the run)."""
     from comera_compile.training import RankAdaptiveTrainer
 
-    model = cc.optimize(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), 0.5,
+    options = cc.CompileOptions(symbolic_ranks=symbolic_ranks)
+    config = cc.CompressionConfig(budget=0.5, compile_options=options)
+    model = cc.optimize(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), config,
                         example_inputs=(torch.randn(8, 64),))
     impl = model._compiled_call_impl
     opt = torch.optim.AdamW(model.parameters())
     RankAdaptiveTrainer(model, opt, total_steps=300, target_ratio=0.5)
-    assert impl.calls_before_change == 60  # the early stage: a fifth of the run
+    assert impl.calls_before_change == horizon
+    assert impl.cuts_recompile == (not symbolic_ranks)
     assert impl.races["training"].plan[0] == EAGER
 
 

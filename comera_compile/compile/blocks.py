@@ -8,17 +8,17 @@ graph inputs, so the graph the first block compiled serves every other block who
 parameters have the same shapes, and the first compile costs about one block's, whatever
 the depth (``python benchmarks/compile_scope.py``).
 
-What runs outside the blocks (embeddings, the head, the loss) stays eager, nothing is
-fused across two blocks, and blocks whose shapes differ (``optimize`` gives each layer its
-own ranks under a budget; pruning cuts them apart) need a graph each. The step then runs a
-few percent slower than the whole model's graph, and the first compile saves less the more
-shapes there are. So by default blocks are compiled only where each graph serves
-``MIN_SHARED`` blocks or more (``blocks_pay``), where the saving is large enough that the
-slower step takes thousands of steps to give it back (``python
-benchmarks/compile_scope.py`` measures both forms from empty caches, their steps side by
-side). A block graph guarded on per-layer state (Hugging Face decoders build a key-value
-cache in training unless ``use_cache=False``) is compiled again for each block, mostly
-from inductor's cache.
+What runs outside the blocks (embeddings, the head, the loss) stays eager and nothing is
+fused across two blocks, so the step runs a few percent slower than the whole model's
+graph. Blocks whose ranks differ (``optimize`` gives each layer its own under a budget;
+pruning cuts them apart) share a graph where ranks are symbolic (``compile.rank_dims``,
+the default), and need one each where they are static. So by default blocks are compiled
+only where each graph serves ``MIN_SHARED`` blocks or more (``blocks_pay``), where the
+saving is large enough that the slower step takes thousands of steps to give it back
+(``python benchmarks/compile_scope.py`` measures both forms from empty caches, their steps
+side by side). A block graph guarded on per-layer state (Hugging Face decoders build a
+key-value cache in training unless ``use_cache=False``) is compiled again for each block,
+mostly from inductor's cache.
 
 Blocks are the members of the model's stacks: an ``nn.ModuleList`` or ``nn.Sequential``
 of at least two modules of one class that hold a tensorized layer (a stack without one
@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from comera_compile.compile.rank_dims import bond_dims, symbolic_layers
 from comera_compile.nn import TensorizedLayer
 
 
@@ -59,26 +60,35 @@ MIN_SHARED = 3
 """Blocks per distinct set of shapes from which compiling blocks is the default."""
 
 
-def distinct_shapes(blocks: list[nn.Module]) -> int:
+def _shapes(block: nn.Module, symbolic_ranks: bool) -> tuple:
+    """What a block's graph is specialised to: its parameter and buffer shapes, the bonds
+    of its planned layers left out where they are symbolic (``compile.rank_dims``)."""
+    bonds = {}
+    if symbolic_ranks:
+        bonds = {id(t): dims for layer in symbolic_layers(block) for t, dims in bond_dims(layer)}
+    return type(block), tuple(
+        (name, tuple(None if d in bonds.get(id(t), ()) else s for d, s in enumerate(t.shape)))
+        for name, t in (*block.named_parameters(), *block.named_buffers()))
+
+
+def distinct_shapes(blocks: list[nn.Module], symbolic_ranks: bool = True) -> int:
     """How many graphs the blocks need at least: their distinct sets of parameter and
-    buffer shapes (a block's graph is specialised to them)."""
-    return len({(type(b), tuple((n, tuple(t.shape)) for n, t in (*b.named_parameters(),
-                                                               *b.named_buffers())))
-                for b in blocks})
+    buffer shapes (a block's graph is specialised to them), ranks apart where symbolic."""
+    return len({_shapes(b, symbolic_ranks) for b in blocks})
 
 
-def blocks_pay(blocks: list[nn.Module]) -> bool:
+def blocks_pay(blocks: list[nn.Module], symbolic_ranks: bool = True) -> bool:
     """Whether compiling ``blocks`` rather than the whole model pays by default: each
     graph would serve ``MIN_SHARED`` blocks or more (module docstring)."""
-    return bool(blocks) and len(blocks) >= MIN_SHARED * distinct_shapes(blocks)
+    return bool(blocks) and len(blocks) >= MIN_SHARED * distinct_shapes(blocks, symbolic_ranks)
 
 
-def why_not_blocks(blocks: list[nn.Module]) -> str:
+def why_not_blocks(blocks: list[nn.Module], symbolic_ranks: bool = True) -> str:
     """Why the default compiles a model with these blocks whole ("" where blocks pay)."""
-    if not blocks or blocks_pay(blocks):
+    if not blocks or blocks_pay(blocks, symbolic_ranks):
         return ""
-    return (f"its {len(blocks)} blocks have {distinct_shapes(blocks)} shapes, and blocks "
-            f"compile where each shape serves {MIN_SHARED} or more")
+    return (f"its {len(blocks)} blocks have {distinct_shapes(blocks, symbolic_ranks)} "
+            f"shapes, and blocks compile where each shape serves {MIN_SHARED} or more")
 
 
 def _holds_tensorized(module: nn.Module) -> bool:

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.blocks import BlockCompile
+from comera_compile.compile.rank_dims import SymbolicRanks, symbolic_layers
 from comera_compile.compile.step_bound import StepProfile
+from comera_compile.nn import TensorizedLayer
 
 COMPILED, EAGER = "compiled", "eager"
 TRAINING, INFERENCE = "training", "inference"
@@ -72,6 +73,17 @@ starts racing, where no profiled bound is known (45 s on CPU, 20 s on CUDA). Set
 WARMUP = {COMPILED: 2, EAGER: 1}
 """Untimed calls per mode: the first compiled call compiles (for training: its forward,
 then its backward), the second still settles; eager's first call plans its contractions."""
+
+
+def _recompiles(form: Callable[..., Any], model: nn.Module | None = None) -> bool:
+    """Whether a rank cut recompiles ``form`` (the blocks, or the whole ``model``): its
+    ranks are static, or it traces a tensorized layer whose ranks stay static."""
+    if not isinstance(form, SymbolicRanks):
+        return True
+    scope = getattr(form, "blocks", None) or [model]
+    symbolic = {id(m) for part in scope for m in symbolic_layers(part)}
+    return any(isinstance(m, TensorizedLayer) and id(m) not in symbolic
+               for part in scope for m in part.modules())
 
 
 def _on_cuda(args: tuple, kwargs: dict) -> bool:
@@ -140,7 +152,7 @@ class MeasuredCompile:
     apart) and then runs the faster; see the module docstring."""
 
     def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3,
-                 wait_s: float | None = None, blocks: BlockCompile | None = None,
+                 wait_s: float | None = None, blocks: Callable[..., Any] | None = None,
                  whole_why: str = "") -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
         self.blocks = blocks  # the model's blocks compiled (compile.blocks), where they pay
@@ -150,6 +162,7 @@ class MeasuredCompile:
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
         self.eager_why = ""
         self.calls_before_change: int | None = None  # training calls until shapes change
+        self._horizon = "the cores' shapes change"  # what ends the graph's use then
         self.training_calls = 0
         self.has_compiled = False  # whether a training call has run compiled
         self._wait_set = wait_s  # None: by the rule (the device, the profiled bound)
@@ -189,14 +202,21 @@ class MeasuredCompile:
     @property
     def compiled_form(self) -> Callable[..., Any]:
         """What compiled calls run, fixed at the first: the model's blocks where it has
-        them, unless the run will cut ranks (``expect_cuts``, ``shapes_change_after``: cut
-        ranks make blocks differ, and each distinct block would be a graph of its own,
+        them, unless the run will cut ranks (``expect_cuts``, ``shapes_change_after``) and
+        the blocks' ranks are static (cut blocks would differ, each a graph of its own,
         while the whole model recompiles once per cut); else the whole model."""
         if self._form is None:
             cuts = self.cuts_expected or self.calls_before_change is not None
-            per_block = self.blocks is not None and not cuts
+            per_block = self.blocks is not None and not (cuts and _recompiles(self.blocks))
             self._form = self.blocks if per_block else self.compiled
         return self._form
+
+    @property
+    def cuts_recompile(self) -> bool:
+        """Whether a rank cut changes the compiled graphs' shapes: their ranks are static,
+        or a tensorized layer they trace keeps static ranks (an embedding table;
+        ``compile.rank_dims``)."""
+        return _recompiles(self.compiled_form, self.model)
 
     @property
     def wait_s(self) -> float:
@@ -277,6 +297,13 @@ class MeasuredCompile:
         if not self.has_compiled and race.choice is None and race.last is None:
             self.races[TRAINING] = Race(self.trials, eager_first=True)
 
+    def run_ends_after(self, calls: int) -> None:
+        """Tell the race that the run ends after ``calls`` more training calls (its graph
+        serves them all: cuts compile nothing, ``cuts_recompile``). As
+        ``shapes_change_after``: the first compile happens only if it can pay by then."""
+        self.shapes_change_after(calls)
+        self._horizon = "the run ends"
+
     def _why_not_compile(self, race: Race, cuda: bool) -> str:
         """Why a first compile cannot pay before the shapes change, or "" if it may."""
         eager = race.eager_step()
@@ -287,17 +314,18 @@ class MeasuredCompile:
         most = calls * eager * (1 - 1 / best)
         if most >= MIN_COMPILE_S:
             return ""
-        return (f"the cores' shapes change in {max(calls, 0)} steps, and a compiled step "
+        return (f"{self._horizon} in {max(calls, 0)} steps, and a compiled step "
                 f"could save at most {most:.1f} s over them (eager's step: "
                 f"{eager * 1e3:.0f} ms), under what a first compile costs "
                 f"(>= {MIN_COMPILE_S:.0f} s)")
 
     def why_not_recompile(self, calls_left: int) -> str:
         """Why recompiling the training graph (a cut changes its shapes) would not pay, or
-        "" if it would: the compiled step's measured gain over ``calls_left`` more training
-        calls must cover the recompile, taken to cost what the first compile did."""
+        "" if it would (or a cut compiles nothing: ``cuts_recompile``): the compiled step's
+        measured gain over ``calls_left`` more training calls must cover the recompile,
+        taken to cost what the first compile did."""
         race = self.races[TRAINING]
-        if race.choice is None:
+        if race.choice is None or (race.choice == COMPILED and not self.cuts_recompile):
             return ""
         if race.choice == EAGER:
             return "training already runs eager"

@@ -11,6 +11,7 @@ from torch import nn
 from comera_compile.compile.blocks import BlockCompile, repeated_blocks, why_not_blocks
 from comera_compile.compile.measured import MeasuredCompile
 from comera_compile.compile.options import parse_options
+from comera_compile.compile.rank_dims import SymbolicRanks
 from comera_compile.config import CompileOptions
 
 RECOMPILE_LIMIT = 64
@@ -25,6 +26,7 @@ def compile_model(
     in_place: bool | None = None,
     measure: bool = False,
     blocks: bool | None = None,
+    symbolic_ranks: bool | None = None,
     **options: Any,
 ) -> nn.Module:
     """``torch.compile(model, backend="comera", dynamic=dynamic, options=options)``.
@@ -45,10 +47,11 @@ def compile_model(
     ``blocks`` (in place only): compile the model's repeated blocks, one graph for blocks
     of equal shapes, and run the rest eager (``compile.blocks``: the first compile grows far
     less with depth); None: where each graph would serve three blocks or more
-    (``compile.blocks.blocks_pay``), unless a measured compile learns that the run will cut
-    ranks (cut blocks differ, each a graph of its own), and the whole model otherwise;
-    True: the blocks, or an error where there are none; False: the whole model. A
-    ``CompileOptions`` carries it as ``blocks``.
+    (``compile.blocks.blocks_pay``), and the whole model otherwise; True: the blocks, or an
+    error where there are none; False: the whole model. A ``CompileOptions`` carries it as
+    ``blocks``. ``symbolic_ranks`` (in place only; default True): the graphs keep the TT
+    layers' rank bonds symbolic, so a rank cut or a block of other ranks needs no new graph
+    (``compile.rank_dims``); a ``CompileOptions`` carries it too.
     ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
@@ -73,6 +76,8 @@ def compile_model(
                             f"{type(config).__name__}")
         options = config.to_backend_options()
         blocks = config.blocks if blocks is None else blocks
+        symbolic_ranks = config.symbolic_ranks if symbolic_ranks is None else symbolic_ranks
+    symbolic_ranks = True if symbolic_ranks is None else symbolic_ranks
     parse_options(options)
     # every prune and every new batch size is one more graph: leave room for a training run
     dynamo = torch._dynamo.config
@@ -89,7 +94,7 @@ def compile_model(
 
     # as nn.Module.compile: the model keeps its class, attributes and methods
     found = repeated_blocks(model) if blocks is not False else []
-    whole_why = why_not_blocks(found) if blocks is None else ""
+    whole_why = why_not_blocks(found, symbolic_ranks) if blocks is None else ""
     if whole_why:
         found = []
     if blocks and not found:
@@ -99,6 +104,9 @@ def compile_model(
             "of one class); pass blocks=None or False to compile the whole model")
     per_block = BlockCompile(model, found, comera) if found else None
     whole = comera(_entry(model))
+    if symbolic_ranks:
+        whole = SymbolicRanks(model, whole)
+        per_block = per_block and SymbolicRanks(model, per_block)
     if measure:
         model._compiled_call_impl = MeasuredCompile(model, whole, blocks=per_block,
                                                     whole_why=whole_why)

@@ -43,7 +43,9 @@ def pad_bonds(cores: Sequence[Tensor], rows: int | torch.SymInt) -> list[Tensor]
     :func:`aligned_rank` (the boundary bonds of size 1 stay) when the contraction runs
     over more than ``MIN_ROWS`` rows; as they are otherwise."""
     cores = list(cores)
-    extras = [aligned_rank(c.shape[0], c.device.type) - c.shape[0] for c in cores[1:]]
+    # a symbolic bond (``compile.rank_dims``) is left as it is: its padding would guard it
+    extras = [0 if isinstance(c.shape[0], torch.SymInt)
+              else aligned_rank(c.shape[0], c.device.type) - c.shape[0] for c in cores[1:]]
     # compare the rows only where a bond would be padded: on a symbolic count the
     # comparison is a shape guard, and a graph with nothing to pad needs none
     if not any(extras) or rows <= MIN_ROWS:

@@ -11,11 +11,13 @@
 channels are frozen at exactly zero (with their optimizer state, so momentum cannot bring
 them back), channels are pruned for real every ``prune_every`` steps (100 by default), at
 the stage switch and where the run needs its final shapes, the late stage starts when due,
-and the history is recorded. A compiled model recompiles at each cut, so it is cut only
-once a third of its core parameters are dead (``COMPILED_MIN_CUT``) and where the run
-needs its final shapes: a few compiles per run, not one per prune. Where ``optimize``'s
-measured compile runs it and the run's length is known, a cut whose recompile the compiled
-step's measured gain would not pay back over the steps left turns the model eager instead.
+and the history is recorded. ``optimize``'s compiled models keep their ranks symbolic
+(``compile.rank_dims``): a cut compiles nothing, and they are cut as often as eager ones.
+A model compiled at static ranks recompiles at each cut, so it is cut only once a third of
+its core parameters are dead (``COMPILED_MIN_CUT``) and where the run needs its final
+shapes: a few compiles per run, not one per prune. Where ``optimize``'s measured compile
+runs it and the run's length is known, a cut whose recompile the compiled step's measured
+gain would not pay back over the steps left turns the model eager instead.
 ``prune_every=None`` never changes a parameter's shape (dead channels are only frozen at
 zero), for wrappers that fix shapes at wrap time (FSDP1, a framework's own DDP); prune
 once after training.
@@ -92,6 +94,15 @@ def is_compiled(model: nn.Module) -> bool:
         return True
     impl = getattr(model, "_compiled_call_impl", None)
     return impl is not None and getattr(impl, "compiles_training", True)
+
+
+def cuts_recompile(model: nn.Module) -> bool:
+    """Whether a rank cut makes ``model``'s training steps compile again: they run compiled
+    (``is_compiled``), at static ranks (``MeasuredCompile.cuts_recompile``)."""
+    if not is_compiled(model):
+        return False
+    impl = getattr(getattr(model, "module", model), "_compiled_call_impl", None)
+    return getattr(impl, "cuts_recompile", True)
 
 
 def _is_sharded(model: nn.Module) -> bool:
@@ -311,11 +322,12 @@ class RankAdaptiveTrainer:
         return 1.0 - live / stored if stored else 0.0
 
     def _prune_if_worth_it(self, counts: list[int], required: bool = False) -> None:
-        """Prune when the cut is worth a shape change: always for an eager model; for a
-        compiled one (a recompile per cut) when ``COMPILED_MIN_CUT`` of the cores are dead, or where
-        the run needs its final shapes (``required``: the budget's end, the run's end)."""
+        """Prune when the cut is worth a shape change: always for an eager model (or one
+        compiled at symbolic ranks); for one that recompiles per cut, when
+        ``COMPILED_MIN_CUT`` of the cores are dead or where the run needs its final shapes
+        (``required``: the budget's end, the run's end)."""
         share = self.dead_share(counts)
-        compiled = is_compiled(self.model)
+        compiled = cuts_recompile(self.model)
         if compiled and share > 0 and (share >= COMPILED_MIN_CUT or required):
             compiled = self._keep_compiled()
         min_cut = COMPILED_MIN_CUT if compiled else 0.0
@@ -323,15 +335,20 @@ class RankAdaptiveTrainer:
             self.prune()
 
     def _announce_shape_change(self) -> None:
-        """Tell a measured compile (``optimize``'s default) when the first cut may change
-        the cores' shapes: the end of the early stage of a run of known length. It then
-        compiles only if that can pay before the cut. Any run that cuts compiles the whole
-        model rather than its blocks (``MeasuredCompile.expect_cuts``)."""
+        """Tell a measured compile (``optimize``'s default) how long its training graph
+        will serve, where the run's length is known: until the first cut (the end of the
+        early stage) where a cut recompiles, else until the run's end. It then compiles
+        only if that can pay by then. A run that cuts ranks compiles the whole model rather
+        than blocks of static ranks (``MeasuredCompile.expect_cuts``)."""
         impl = getattr(unwrap(self.model), "_compiled_call_impl", None)
-        if hasattr(impl, "expect_cuts") and self.prune_every is not None:
-            impl.expect_cuts()
-        if (hasattr(impl, "shapes_change_after") and self.total_steps is not None
-                and self.early_steps is not None and self.prune_every is not None):
+        if not hasattr(impl, "expect_cuts") or self.prune_every is None:
+            return
+        impl.expect_cuts()
+        if self.total_steps is None:
+            return
+        if not impl.cuts_recompile:
+            impl.run_ends_after(self.total_steps - self.steps)
+        elif self.early_steps is not None:
             impl.shapes_change_after(self.early_steps)
 
     def _keep_compiled(self) -> bool:
