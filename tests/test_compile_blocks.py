@@ -187,3 +187,22 @@ def test_blocks_option_is_checked_and_not_a_backend_option():
         cc.CompileOptions(blocks="yes")
     assert "blocks" not in cc.CompileOptions(blocks=True).to_backend_options()
     assert cc.CompileOptions.from_dict(cc.CompileOptions(blocks=True).to_dict()).blocks is True
+
+
+def test_torch_encoder_blocks_keep_symbolic_ranks_through_a_cut():
+    """Modules inside torch's own (``nn.TransformerEncoderLayer``) have their parameters'
+    shapes forced static by dynamo unless told otherwise: a cut must still compile nothing."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    x = torch.randn(2, 8, 64)
+    eager = cc.optimize(encoder, budget=0.3, example_inputs=(x,), compile=False).eval()
+    model = copy.deepcopy(eager)
+    compile_model(model, inplace=True)
+    with torch.no_grad():
+        assert torch.allclose(model(x), eager(x), rtol=1e-5, atol=1e-6)
+        _prune_first_bonds(model, keep=2)
+        _prune_first_bonds(eager, keep=2)
+        before = graphs_compiled()
+        assert torch.allclose(model(x), eager(x), rtol=1e-5, atol=1e-6)
+    assert graphs_compiled() == before

@@ -62,11 +62,13 @@ def _marked(layer: nn.Module) -> bool:
 @contextlib.contextmanager
 def symbolic_parameters() -> Iterator[None]:
     """Trace with parameters' marked dims symbolic (dynamo keeps parameters static
-    otherwise) and without duck sizing (a bond equal in size to another dim would share its
-    symbol, and a cut that parts them would compile again)."""
+    otherwise, and every tensor of a module inside one of torch's own, such as
+    ``nn.TransformerEncoderLayer``) and without duck sizing (a bond equal in size to
+    another dim would share its symbol, and a cut that parts them would compile again)."""
     import torch.fx.experimental._config as fx_config
 
-    with torch._dynamo.config.patch(force_parameter_static_shapes=False), \
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False,
+                                    force_nn_module_property_static_shapes=False), \
             fx_config.patch(use_duck_shape=False):
         yield
 
