@@ -127,9 +127,12 @@ class CompileOptions:
     ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
     rather than the whole model (``comera_compile.compile.blocks``; None: where each graph
     would serve three blocks or more; True: required; False: the whole model).
-    ``symbolic_ranks``: keep the TT layers' rank bonds symbolic in the compiled graphs, so
-    rank cuts and blocks of different ranks need no new graph
-    (``comera_compile.compile.rank_dims``); False: graphs specialised to today's ranks.
+    ``symbolic_ranks``: True keeps the TT layers' rank bonds symbolic in the compiled
+    graphs, so rank cuts and blocks of different ranks need no new graph
+    (``comera_compile.compile.rank_dims``; steps run a little slower); False: graphs
+    specialised to today's ranks (each cut recompiles); None: symbolic where ``optimize``'s
+    measured compile learns that the run cuts ranks (a rank trainer that prunes), else
+    static.
     Neither is a backend option: ``torch.compile(model, backend="comera")`` compiles what
     it is given, at static ranks.
     """
@@ -143,7 +146,7 @@ class CompileOptions:
     absorb_attention: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict)
     blocks: bool | None = None
-    symbolic_ranks: bool = True
+    symbolic_ranks: bool | None = None
 
     def __post_init__(self) -> None:
         parse_memory(self.memory)
@@ -153,7 +156,7 @@ class CompileOptions:
         _flag("inductor", self.inductor, allow_none=False)
         _flag("absorb_attention", self.absorb_attention, allow_none=False)
         _flag("blocks", self.blocks)
-        _flag("symbolic_ranks", self.symbolic_ranks, allow_none=False)
+        _flag("symbolic_ranks", self.symbolic_ranks)
         if self.objective is not None:
             if not isinstance(self.objective, str):
                 raise TypeError(f"comera option 'objective' must be a str, got "

@@ -115,11 +115,23 @@ def test_blocks_true_without_blocks_names_the_fix():
 
 
 def test_measured_compile_keeps_blocks_of_symbolic_ranks_through_cuts():
+    # by default ranks turn symbolic where the run will cut them: blocks of other ranks
+    # then share a graph, and a cut compiles nothing
     model = compile_model(Stack(ranks=(3, 3, 5)), inplace=True, measure=True)
     impl = model._compiled_call_impl
     assert isinstance(impl, MeasuredCompile) and impl.blocks is not None
     impl.shapes_change_after(10)
     assert impl.compiled_form is impl.blocks and not impl.cuts_recompile
+    assert impl.blocks.enabled and impl.compiled.enabled
+    # a run that does not cut: static ranks, so two shapes for three blocks compile whole
+    model = compile_model(Stack(ranks=(3, 3, 5)), inplace=True, measure=True)
+    impl = model._compiled_call_impl
+    assert impl.compiled_form is impl.compiled and impl.cuts_recompile
+    assert "its 3 blocks have 2 shapes" in impl.whole_why
+    # asked for symbolic ranks: blocks at once
+    options = cc.CompileOptions(symbolic_ranks=True)
+    model = compile_model(Stack(ranks=(3, 3, 5)), options, inplace=True, measure=True)
+    assert model._compiled_call_impl.compiled_form is model._compiled_call_impl.blocks
     # a rank trainer that prunes learns that cuts compile nothing: the run's end is the
     # horizon, and it prunes as an eager model does
     model = compile_model(Stack(), inplace=True, measure=True)
@@ -156,7 +168,6 @@ def test_measured_compile_at_static_ranks_uses_blocks_unless_shapes_will_change(
     # and the summary says why
     model = compile_model(Stack(ranks=(3, 3, 5)), static, inplace=True, measure=True)
     impl = model._compiled_call_impl
-    assert impl.blocks is None
     race = impl.races["training"]
     race.choice, race.speedup = "compiled", 1.2  # as a finished race leaves it
     assert impl.compiled_form is impl.compiled
@@ -198,7 +209,7 @@ def test_torch_encoder_blocks_keep_symbolic_ranks_through_a_cut():
     x = torch.randn(2, 8, 64)
     eager = cc.optimize(encoder, budget=0.3, example_inputs=(x,), compile=False).eval()
     model = copy.deepcopy(eager)
-    compile_model(model, inplace=True)
+    compile_model(model, inplace=True, symbolic_ranks=True)
     with torch.no_grad():
         assert torch.allclose(model(x), eager(x), rtol=1e-5, atol=1e-6)
         _prune_first_bonds(model, keep=2)

@@ -227,3 +227,29 @@ def test_warmup_restores_nadam_state():
     step(data)
     for p, q in zip(eager_model.parameters(), graph_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+
+
+def test_symbolic_ranks_survive_a_cut_under_cudagraphs():
+    from comera_compile.compile.backend import graphs_compiled
+
+    eager_model = six_encoder()
+    model = copy.deepcopy(eager_model)
+    cc.compile_model(model, inplace=True, blocks=True, symbolic_ranks=True)  # CUDA Graph trees
+    ids, labels = batch(4)
+    for fn in (eager_model, model):
+        F.cross_entropy(fn(ids), labels).backward()
+    optimizers = [torch.optim.AdamW(m.parameters()) for m in (eager_model, model)]
+    for m, opt in zip((eager_model, model), optimizers):
+        assert prune_half_of_first_bond(m, opt) > 0
+    before = graphs_compiled()
+    for _ in range(2):  # the second call replays what the first recorded
+        grads = []
+        for m in (eager_model, model):
+            m.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(m(ids), labels)
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters()
+                          if p.grad is not None})
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert graphs_compiled() == before  # the cut compiled nothing

@@ -205,10 +205,11 @@ def test_a_first_compile_that_cannot_pay_before_the_shapes_change_is_not_made(ca
             f"{MIN_COMPILE_S:.0f} s" in why
 
 
-@pytest.mark.parametrize("symbolic_ranks, horizon", [(True, 300), (False, 60)])
+@pytest.mark.parametrize("symbolic_ranks, horizon", [(None, 300), (True, 300), (False, 60)])
 def test_a_rank_adaptive_trainer_of_known_length_announces_its_horizon(symbolic_ranks, horizon):
-    """At symbolic ranks a cut compiles nothing, so the graph serves the whole run; at
-    static ranks, until the first cut (the early stage: a fifth of the run)."""
+    """At symbolic ranks (by default where the run cuts ranks) a cut compiles nothing, so
+    the graph serves the whole run; at static ranks, until the first cut (the early stage:
+    a fifth of the run)."""
     from comera_compile.training import RankAdaptiveTrainer
 
     options = cc.CompileOptions(symbolic_ranks=symbolic_ranks)
@@ -219,7 +220,7 @@ def test_a_rank_adaptive_trainer_of_known_length_announces_its_horizon(symbolic_
     opt = torch.optim.AdamW(model.parameters())
     RankAdaptiveTrainer(model, opt, total_steps=300, target_ratio=0.5)
     assert impl.calls_before_change == horizon
-    assert impl.cuts_recompile == (not symbolic_ranks)
+    assert impl.cuts_recompile == (symbolic_ranks is False)
     assert impl.races["training"].plan[0] == EAGER
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_compile.compile.blocks import why_not_blocks
 from comera_compile.compile.rank_dims import SymbolicRanks, symbolic_layers
 from comera_compile.compile.step_bound import StepProfile
 from comera_compile.nn import TensorizedLayer
@@ -78,7 +79,7 @@ then its backward), the second still settles; eager's first call plans its contr
 def _recompiles(form: Callable[..., Any], model: nn.Module | None = None) -> bool:
     """Whether a rank cut recompiles ``form`` (the blocks, or the whole ``model``): its
     ranks are static, or it traces a tensorized layer whose ranks stay static."""
-    if not isinstance(form, SymbolicRanks):
+    if not isinstance(form, SymbolicRanks) or not form.enabled:
         return True
     scope = getattr(form, "blocks", None) or [model]
     symbolic = {id(m) for part in scope for m in symbolic_layers(part)}
@@ -152,11 +153,13 @@ class MeasuredCompile:
     apart) and then runs the faster; see the module docstring."""
 
     def __init__(self, model: nn.Module, compiled: Callable[..., Any], trials: int = 3,
-                 wait_s: float | None = None, blocks: Callable[..., Any] | None = None,
-                 whole_why: str = "") -> None:
+                 wait_s: float | None = None, blocks: SymbolicRanks | None = None,
+                 blocks_required: bool = False, symbolic_ranks: bool | None = None) -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
         self.blocks = blocks  # the model's blocks compiled (compile.blocks), where they pay
-        self._blocks_why = whole_why  # why the default did not take the model's blocks
+        self.blocks_required = blocks_required  # blocks=True: blocks whatever the rule
+        self.symbolic_ranks = symbolic_ranks  # None: symbolic where the run cuts ranks
+        self._whole_why = ""  # why the default did not take the model's blocks
         self._form: Callable[..., Any] | None = None  # what compiled calls run, once chosen
         self.cuts_expected = False  # whether the run will cut ranks (expect_cuts)
         self.races = {TRAINING: Race(trials), INFERENCE: Race(trials)}
@@ -201,14 +204,25 @@ class MeasuredCompile:
 
     @property
     def compiled_form(self) -> Callable[..., Any]:
-        """What compiled calls run, fixed at the first: the model's blocks where it has
-        them, unless the run will cut ranks (``expect_cuts``, ``shapes_change_after``) and
-        the blocks' ranks are static (cut blocks would differ, each a graph of its own,
-        while the whole model recompiles once per cut); else the whole model."""
+        """What compiled calls run, fixed at the first. Ranks are symbolic if asked, or by
+        default where the run will cut ranks (``expect_cuts``, ``shapes_change_after``):
+        symbolic graphs run a little slower, and survive every cut. Then the model's blocks
+        where they pay (``blocks.why_not_blocks``: ranks apart where symbolic) and, at static
+        ranks, the run does not cut (cut blocks would differ, each a graph of its own, while
+        the whole model recompiles once per cut); else the whole model."""
         if self._form is None:
             cuts = self.cuts_expected or self.calls_before_change is not None
-            per_block = self.blocks is not None and not (cuts and _recompiles(self.blocks))
-            self._form = self.blocks if per_block else self.compiled
+            symbolic = cuts if self.symbolic_ranks is None else self.symbolic_ranks
+            self.compiled.enabled = symbolic
+            self._form = self.compiled
+            if self.blocks is not None:
+                self.blocks.enabled = symbolic
+                why = "" if self.blocks_required else why_not_blocks(self.blocks.blocks,
+                                                                     symbolic)
+                if not why and cuts and not symbolic and not self.blocks_required:
+                    why = "the run cuts ranks, and cut blocks would each be a graph"
+                self._whole_why = why
+                self._form = self.compiled if why else self.blocks
         return self._form
 
     @property
@@ -279,13 +293,11 @@ class MeasuredCompile:
     @property
     def whole_why(self) -> str:
         """Why compiled calls run the whole model though it has blocks ("" otherwise)."""
-        if self._form is not None and self._form is not self.blocks and self.blocks is not None:
-            return "the run cuts ranks, and cut blocks would each be a graph"
-        return self._blocks_why
+        return self._whole_why
 
     def expect_cuts(self) -> None:
-        """Tell the compile that the run will cut ranks (when, unknown): compile the whole
-        model rather than its blocks (``compiled_form``)."""
+        """Tell the compile that the run will cut ranks (when, unknown): by default its
+        graphs then keep ranks symbolic (``compiled_form``)."""
         self.cuts_expected = True
 
     def shapes_change_after(self, calls: int) -> None:

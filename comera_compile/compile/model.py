@@ -47,11 +47,15 @@ def compile_model(
     ``blocks`` (in place only): compile the model's repeated blocks, one graph for blocks
     of equal shapes, and run the rest eager (``compile.blocks``: the first compile grows far
     less with depth); None: where each graph would serve three blocks or more
-    (``compile.blocks.blocks_pay``), and the whole model otherwise; True: the blocks, or an
+    (``compile.blocks.blocks_pay``, ranks apart where they are symbolic), and the whole
+    model otherwise; True: the blocks, or an
     error where there are none; False: the whole model. A ``CompileOptions`` carries it as
-    ``blocks``. ``symbolic_ranks`` (in place only; default True): the graphs keep the TT
-    layers' rank bonds symbolic, so a rank cut or a block of other ranks needs no new graph
-    (``compile.rank_dims``); a ``CompileOptions`` carries it too.
+    ``blocks``. ``symbolic_ranks`` (in place only): True: the graphs keep the TT layers'
+    rank bonds symbolic, so a rank cut or a block of other ranks needs no new graph
+    (``compile.rank_dims``); False: graphs specialised to the ranks (faster steps, a
+    recompile per cut); None: symbolic where a measured compile learns that the run will
+    cut ranks (``MeasuredCompile.expect_cuts``), else static. A ``CompileOptions``
+    carries it too.
     ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
@@ -77,7 +81,6 @@ def compile_model(
         options = config.to_backend_options()
         blocks = config.blocks if blocks is None else blocks
         symbolic_ranks = config.symbolic_ranks if symbolic_ranks is None else symbolic_ranks
-    symbolic_ranks = True if symbolic_ranks is None else symbolic_ranks
     parse_options(options)
     # every prune and every new batch size is one more graph: leave room for a training run
     dynamo = torch._dynamo.config
@@ -94,24 +97,23 @@ def compile_model(
 
     # as nn.Module.compile: the model keeps its class, attributes and methods
     found = repeated_blocks(model) if blocks is not False else []
-    whole_why = why_not_blocks(found, symbolic_ranks) if blocks is None else ""
-    if whole_why:
-        found = []
     if blocks and not found:
         raise ValueError(
             f"blocks=True: {type(model).__name__} has no stack of repeated blocks holding "
             "tensorized layers (an nn.ModuleList or nn.Sequential of two or more modules "
             "of one class); pass blocks=None or False to compile the whole model")
-    per_block = BlockCompile(model, found, comera) if found else None
-    whole = comera(_entry(model))
-    if symbolic_ranks:
-        whole = SymbolicRanks(model, whole)
-        per_block = per_block and SymbolicRanks(model, per_block)
-    if measure:
-        model._compiled_call_impl = MeasuredCompile(model, whole, blocks=per_block,
-                                                    whole_why=whole_why)
-    else:
-        model._compiled_call_impl = per_block or whole
+    per_block = SymbolicRanks(model, BlockCompile(model, found, comera)) if found else None
+    whole = SymbolicRanks(model, comera(_entry(model)))
+    if measure:  # blocks and ranks are decided at the first compiled call
+        model._compiled_call_impl = MeasuredCompile(
+            model, whole, blocks=per_block, blocks_required=bool(blocks),
+            symbolic_ranks=symbolic_ranks)
+        return model
+    symbolic = bool(symbolic_ranks)
+    if per_block is not None and (blocks or not why_not_blocks(found, symbolic)):
+        whole = per_block
+    whole.enabled = symbolic
+    model._compiled_call_impl = whole
     return model
 
 

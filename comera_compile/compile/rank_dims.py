@@ -74,15 +74,19 @@ def symbolic_parameters() -> Iterator[None]:
 
 
 class SymbolicRanks:
-    """A compiled call of ``model`` whose graphs keep the planned layers' ranks symbolic:
-    each call marks bonds that are not marked yet (new or replaced parameters), then runs
-    ``compiled`` with symbolic parameters allowed."""
+    """A compiled call of ``model`` whose graphs keep the planned layers' ranks symbolic
+    while ``enabled`` (set it before the first call): each call marks bonds that are not
+    marked yet (new or replaced parameters), then runs ``compiled`` with symbolic
+    parameters allowed. Disabled, it runs ``compiled`` as it is (static ranks)."""
 
-    def __init__(self, model: nn.Module, compiled: Callable[..., Any]) -> None:
-        self.compiled = compiled
+    def __init__(self, model: nn.Module, compiled: Callable[..., Any],
+                 enabled: bool = True) -> None:
+        self.compiled, self.enabled = compiled, enabled
         self.layers = symbolic_layers(model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled:
+            return self.compiled(*args, **kwargs)
         for layer in self.layers:
             if not _marked(layer):
                 mark_bonds(layer)
