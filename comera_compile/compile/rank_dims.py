@@ -1,14 +1,17 @@
 """Rank dimensions symbolic in compiled graphs: one graph serves every rank a layer takes.
 
 Dynamo specialises a graph to its parameters' shapes, so each rank cut (``prune_ranks``)
-compiled the training graph again (a cold compile on a 2-core CPU: 15-45 s, each cut),
+compiled the training graph again (tens of seconds on a 2-core CPU, each cut),
 and blocks whose layers ``optimize`` gave different ranks needed a graph each. A TT
 chain's bonds are the only dimensions a cut changes, and no kernel needs their value: the
 planned contraction (``planner.ops``) reads them only to pick its program, through their
 hints, without a guard. So the bonds of the planned linear layers (``TTLinear``,
 ``TTMLinear``, ``LowRankLinear``) are marked dynamic, and the compiled call traces with
 parameters' marked dims allowed to be symbolic: one graph then serves all ranks, before
-and after every cut (``python benchmarks/compile_scope.py``, ``benchmarks/pretrain.py``).
+and after every cut (``tests/test_compile_blocks.py``, ``tests/test_compile_cuda.py``).
+Symbolic kernels run slower (``benchmarks/results/compiled_cuda_symbolic.md`` against
+``compiled_cuda.md``), so by default only runs that cut ranks use them
+(``MeasuredCompile.compiled_form``).
 
 A bond of size 1 (a rank cut to one channel) is specialised by dynamo, as every size-1
 dim is: reaching it compiles once more. The CPU's bond padding (``planner.alignment``) is
