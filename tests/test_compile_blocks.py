@@ -10,7 +10,12 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.compile import compile_model
 from comera_compile.compile.backend import graphs_compiled
-from comera_compile.compile.blocks import blocks_pay, distinct_shapes, repeated_blocks
+from comera_compile.compile.blocks import (
+    blocks_pay,
+    distinct_shapes,
+    repeated_blocks,
+    shared_blocks,
+)
 from comera_compile.compile.measured import MeasuredCompile
 
 
@@ -172,7 +177,7 @@ def test_measured_compile_at_static_ranks_uses_blocks_unless_shapes_will_change(
     race.choice, race.speedup = "compiled", 1.2  # as a finished race leaves it
     assert impl.compiled_form is impl.compiled
     assert ("compiled (the whole model: its 3 blocks have 2 shapes, and blocks compile where "
-            "each shape serves 3 or more), 1.20x") in impl.describe()
+            "3 or more share one), 1.20x") in impl.describe()
     # blocks=False: the whole model
     model = compile_model(Stack(), cc.CompileOptions(blocks=False), inplace=True, measure=True)
     assert model._compiled_call_impl.blocks is None
@@ -191,6 +196,40 @@ def test_blocks_pay_where_each_graph_serves_three_blocks():
     assert blocks_pay([Block(rank=r) for r in (3, 3, 3, 5, 5, 5)], False)
     assert not blocks_pay([Block(rank=r) for r in (3, 3, 5, 5)], False)
     assert not blocks_pay([])
+    # one block of a rare shape among three that share one: the three compile, it runs eager
+    blocks = [other, *(Block(rank=3) for _ in range(3))]
+    assert blocks_pay(blocks) and shared_blocks(blocks) == blocks[1:]
+    assert shared_blocks(blocks + [Block(rank=5)], False) == blocks[1:]
+
+
+def test_a_block_of_rare_shapes_runs_eager_beside_compiled_blocks():
+    torch.manual_seed(0)
+    eager = Stack(ranks=(3, 3, 3, 3))
+    eager.layers[0].down = nn.Linear(32, 16, bias=False)  # the budget left it otherwise
+    model = copy.deepcopy(eager)
+    compile_model(model, inplace=True, symbolic_ranks=True)  # default blocks: the rule
+    impl = model._compiled_call_impl
+    assert impl.compiled_blocks == list(model.layers)[1:]
+    assert impl.describe() == ("3 of 4 Block blocks compiled (the others have shapes fewer "
+                               "than 3 share), the rest eager")
+    x = torch.randn(4, 8)
+    before = graphs_compiled()
+    out = model(x)
+    _projected_loss(out).backward()
+    assert graphs_compiled() - before == 1  # one graph: the odd block ran eager
+    with pytest.raises(RuntimeError, match="before the first call"):
+        impl.select(list(model.layers))
+    ref = eager(x)
+    _projected_loss(ref).backward()
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+    # a measured compile makes the same choice at its first compiled call
+    model = compile_model(copy.deepcopy(eager), inplace=True, measure=True)
+    impl = model._compiled_call_impl
+    impl.shapes_change_after(10)
+    assert impl.compiled_form is impl.blocks
+    assert impl.blocks.compiled_blocks == list(model.layers)[1:] and not impl.cuts_recompile
 
 
 def test_blocks_option_is_checked_and_not_a_backend_option():

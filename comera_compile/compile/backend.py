@@ -39,6 +39,9 @@ holds one recognisable node per tensorized layer. The backend
    them takes three times aten's time; and turns thin weight-gradient matmuls
    (``h.T @ dy`` with a rank-wide ``h``) into their transposed problem, which MKL runs
    faster (``compile.matmul_orientation``).
+7. on CPU, builds each generated module's kernels in one compiler run per compile worker
+   rather than one per kernel (``compile.pooled_kernels``): the precompiled ATen header
+   loads once per run, not once per kernel.
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
 first call of a new batch bucket can take tens of seconds on CPU); to see it::
@@ -72,6 +75,7 @@ from comera_compile.compile.host_memory import (
     set_host_memory,
 )
 from comera_compile.compile.options import BackendOptions, parse_options
+from comera_compile.compile.pooled_kernels import pooled_kernels
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
@@ -300,7 +304,8 @@ def _compile_then_release(cuda: bool):
         return compile_fx_inner
 
     def compile_and_release(*args: Any, **kwargs: Any):
-        compiled = compile_fx_inner(*args, **kwargs)
+        with pooled_kernels():  # one compiler run per worker, not per kernel
+            compiled = compile_fx_inner(*args, **kwargs)
         release_free_heap()
         return compiled
 

@@ -11,12 +11,14 @@ the depth (``python benchmarks/compile_scope.py``).
 What runs outside the blocks (embeddings, the head, the loss) stays eager and nothing is
 fused across two blocks, so the step runs a few percent slower than the whole model's
 graph. Blocks whose ranks differ (``optimize`` gives each layer its own under a budget;
-pruning cuts them apart) share a graph where ranks are symbolic (``compile.rank_dims``,
-the default), and need one each where they are static. So by default blocks are compiled
-only where each graph serves ``MIN_SHARED`` blocks or more (``blocks_pay``), where the
-saving is large enough that the slower step takes thousands of steps to give it back
-(``python benchmarks/compile_scope.py`` measures both forms from empty caches, their steps
-side by side). A block graph guarded on per-layer state (Hugging Face decoders build a
+pruning cuts them apart) share a graph where ranks are symbolic (``compile.rank_dims``),
+and need one each where they are static. So by default only blocks whose shapes
+``MIN_SHARED`` blocks or more share are compiled (``shared_blocks``): there the saving is
+large enough that the slower step takes thousands of steps to give it back (``python
+benchmarks/compile_scope.py`` measures both forms from empty caches, their steps side by
+side). A block of rarer shapes (a budget that left one layer of the first block dense)
+runs eager: a graph of its own would cost a whole first compile for one block's gain.
+A block graph guarded on per-layer state (Hugging Face decoders build a
 key-value cache in training unless ``use_cache=False``) is compiled again for each block,
 mostly from inductor's cache.
 
@@ -29,6 +31,7 @@ compiles the whole model.
 from __future__ import annotations
 
 import types
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -77,10 +80,18 @@ def distinct_shapes(blocks: list[nn.Module], symbolic_ranks: bool = True) -> int
     return len({_shapes(b, symbolic_ranks) for b in blocks})
 
 
+def shared_blocks(blocks: list[nn.Module], symbolic_ranks: bool = True) -> list[nn.Module]:
+    """The blocks whose shapes ``MIN_SHARED`` or more of ``blocks`` share, in model order:
+    those the default compiles (module docstring); the others run eager."""
+    shapes = [_shapes(b, symbolic_ranks) for b in blocks]
+    sharing = Counter(shapes)
+    return [b for b, shape in zip(blocks, shapes) if sharing[shape] >= MIN_SHARED]
+
+
 def blocks_pay(blocks: list[nn.Module], symbolic_ranks: bool = True) -> bool:
-    """Whether compiling ``blocks`` rather than the whole model pays by default: each
-    graph would serve ``MIN_SHARED`` blocks or more (module docstring)."""
-    return bool(blocks) and len(blocks) >= MIN_SHARED * distinct_shapes(blocks, symbolic_ranks)
+    """Whether compiling blocks rather than the whole model pays by default: some graph
+    would serve ``MIN_SHARED`` blocks or more (module docstring)."""
+    return bool(shared_blocks(blocks, symbolic_ranks))
 
 
 def why_not_blocks(blocks: list[nn.Module], symbolic_ranks: bool = True) -> str:
@@ -88,7 +99,7 @@ def why_not_blocks(blocks: list[nn.Module], symbolic_ranks: bool = True) -> str:
     if not blocks or blocks_pay(blocks, symbolic_ranks):
         return ""
     return (f"its {len(blocks)} blocks have {distinct_shapes(blocks, symbolic_ranks)} "
-            f"shapes, and blocks compile where each shape serves {MIN_SHARED} or more")
+            f"shapes, and blocks compile where {MIN_SHARED} or more share one")
 
 
 def _holds_tensorized(module: nn.Module) -> bool:
@@ -110,6 +121,7 @@ class BlockCompile:
     def __init__(self, model: nn.Module, blocks: list[nn.Module],
                  compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         self.model, self.blocks = model, blocks
+        self.compiled_blocks = list(blocks)  # those that run compiled (``select``)
         self.active = self.installed = False
         # a code object of this model's own: dynamo keeps its graphs per code object, so
         # two models never share (nor use up) each other's cache entries
@@ -117,9 +129,16 @@ class BlockCompile:
                                   _call_block.__name__)
         self.compiled_block = compile(call)
 
+    def select(self, blocks: list[nn.Module]) -> None:
+        """Compile only ``blocks`` (of ``self.blocks``); the others run eager. Before the
+        first call: blocks are installed then."""
+        if self.installed:
+            raise RuntimeError("select the compiled blocks before the first call")
+        self.compiled_blocks = [b for b in self.blocks if any(b is c for c in blocks)]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.installed:  # at first use: a caller that compiles whole never installs
-            for block in self.blocks:
+            for block in self.compiled_blocks:
                 block._compiled_call_impl = _BlockCall(self, block)
             self.installed = True
         self.active = True
@@ -130,7 +149,11 @@ class BlockCompile:
 
     def describe(self) -> str:
         names = " and ".join(sorted({type(b).__name__ for b in self.blocks}))
-        return f"{len(self.blocks)} {names} blocks compiled, the rest eager"
+        compiled, total = len(self.compiled_blocks), len(self.blocks)
+        if compiled == total:
+            return f"{total} {names} blocks compiled, the rest eager"
+        return (f"{compiled} of {total} {names} blocks compiled (the others have shapes "
+                f"fewer than {MIN_SHARED} share), the rest eager")
 
 
 class _BlockCall:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.blocks import why_not_blocks
+from comera_compile.compile.blocks import shared_blocks, why_not_blocks
 from comera_compile.compile.rank_dims import SymbolicRanks, symbolic_layers
 from comera_compile.compile.step_bound import StepProfile
 from comera_compile.nn import TensorizedLayer
@@ -81,7 +81,7 @@ def _recompiles(form: Callable[..., Any], model: nn.Module | None = None) -> boo
     ranks are static, or it traces a tensorized layer whose ranks stay static."""
     if not isinstance(form, SymbolicRanks) or not form.enabled:
         return True
-    scope = getattr(form, "blocks", None) or [model]
+    scope = getattr(form, "compiled_blocks", None) or [model]
     symbolic = {id(m) for part in scope for m in symbolic_layers(part)}
     return any(isinstance(m, TensorizedLayer) and id(m) not in symbolic
                for part in scope for m in part.modules())
@@ -223,6 +223,8 @@ class MeasuredCompile:
                     why = "the run cuts ranks, and cut blocks would each be a graph"
                 self._whole_why = why
                 self._form = self.compiled if why else self.blocks
+                if not why and not self.blocks_required:
+                    self.blocks.select(shared_blocks(self.blocks.blocks, symbolic))
         return self._form
 
     @property

@@ -8,7 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.blocks import BlockCompile, repeated_blocks, why_not_blocks
+from comera_compile.compile.blocks import (
+    BlockCompile,
+    repeated_blocks,
+    shared_blocks,
+    why_not_blocks,
+)
 from comera_compile.compile.measured import MeasuredCompile
 from comera_compile.compile.options import parse_options
 from comera_compile.compile.rank_dims import SymbolicRanks
@@ -111,6 +116,8 @@ def compile_model(
         return model
     symbolic = bool(symbolic_ranks)
     if per_block is not None and (blocks or not why_not_blocks(found, symbolic)):
+        if not blocks:  # the default: blocks of shapes few share run eager
+            per_block.select(shared_blocks(found, symbolic))
         whole = per_block
     whole.enabled = symbolic
     model._compiled_call_impl = whole
