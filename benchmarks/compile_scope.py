@@ -73,8 +73,9 @@ def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
 def compiled_copy(dense, eager, x, scope: str):
     """``optimize``'s result compiled at once (``compile="always"``) in ``scope``, with
     ``eager``'s weights."""
+    blocks = {"blocks": True, "whole": False}.get(scope)  # else optimize's default
     config = cc.CompressionConfig(budget=0.05, compile="always",
-                                  compile_options=cc.CompileOptions(blocks=scope == "blocks"))
+                                  compile_options=cc.CompileOptions(blocks=blocks))
     model = cc.optimize(dense, config, example_inputs=(x,))
     model.load_state_dict(eager.state_dict())
     return model
@@ -101,8 +102,9 @@ def measure(name: str, scope: str, steps: int) -> dict:
               "out_diff": float((out_e - out_c).detach().abs().max() / out_e.detach().abs().max()),
               "grad_diff": gradient_difference(eager, model), "blocks": len(found),
               "shapes": distinct_shapes(found) if found else 0,
-              "default": "blocks" if blocks_pay(found) else "whole"}
-    if scope == "whole":
+              "default": "blocks" if blocks_pay(found) else "whole",
+              "form": _form(model)}
+    if scope == "whole" or steps == 0:
         return result
     forms = {"eager": eager, "whole": compiled_copy(dense, eager, x, "whole"), "blocks": model}
     opts = {label: torch.optim.AdamW(m.parameters(), lr=1e-4) for label, m in forms.items()}
@@ -120,10 +122,20 @@ def measure(name: str, scope: str, steps: int) -> dict:
     return result
 
 
-def run_cold(name: str, scope: str, steps: int) -> dict:
-    """``measure`` in a child process with empty inductor and plan caches."""
+def _form(model: torch.nn.Module) -> str:
+    """What a compiled model runs compiled: its blocks (how many of how many) or whole."""
+    compiled = getattr(model._compiled_call_impl, "compiled_blocks", None)
+    if compiled is None:
+        return "whole"
+    return f"{len(compiled)}/{len(repeated_blocks(model))} blocks"
+
+
+def run_cold(name: str, scope: str, steps: int, **env_vars: str) -> dict:
+    """``measure`` in a child process with empty inductor and plan caches (and
+    ``env_vars`` set in its environment)."""
     with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as plans:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, COMERA_CACHE_DIR=plans)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, COMERA_CACHE_DIR=plans,
+                   **env_vars)
         done = subprocess.run(
             [sys.executable, __file__, "--child", name, scope, "--steps", str(steps)],
             env=env, capture_output=True, text=True, check=False)

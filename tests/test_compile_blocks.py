@@ -11,6 +11,7 @@ import comera_compile as cc
 from comera_compile.compile import compile_model
 from comera_compile.compile.backend import graphs_compiled
 from comera_compile.compile.blocks import (
+    _without_training_cache,
     blocks_pay,
     distinct_shapes,
     repeated_blocks,
@@ -256,3 +257,35 @@ def test_torch_encoder_blocks_keep_symbolic_ranks_through_a_cut():
         before = graphs_compiled()
         assert torch.allclose(model(x), eager(x), rtol=1e-5, atol=1e-6)
     assert graphs_compiled() == before
+
+
+def test_hugging_face_decoder_blocks_share_one_graph_in_training():
+    # HF decoders build a key-value cache indexed by layer number unless use_cache=False:
+    # compiled blocks run training calls without it, so the blocks share one graph
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=256, max_position_embeddings=32)
+    assert config.use_cache
+    ids = torch.randint(0, 100, (2, 8))
+    eager = cc.optimize(tf.LlamaForCausalLM(config), budget=0.5, example_inputs=(ids,),
+                        compile=False)
+    model = copy.deepcopy(eager)
+    compile_model(model, inplace=True, symbolic_ranks=True)
+    assert model._compiled_call_impl.describe().startswith("3 LlamaDecoderLayer blocks")
+    before = graphs_compiled()
+    out = model(ids).logits
+    _projected_loss(out).backward()
+    assert graphs_compiled() - before == 1
+    ref = eager(ids).logits
+    _projected_loss(ref).backward()
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-3, atol=1e-5), name
+    # the caller's own use_cache, and inference calls, are left as they are
+    assert _without_training_cache(model, {}) == {"use_cache": False}
+    assert _without_training_cache(model, {"use_cache": True}) == {"use_cache": True}
+    with torch.no_grad():
+        assert _without_training_cache(model, {}) == {}
+    assert _without_training_cache(Stack(), {}) == {}  # no config asking for a cache

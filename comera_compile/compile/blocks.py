@@ -18,9 +18,12 @@ large enough that the slower step takes thousands of steps to give it back (``py
 benchmarks/compile_scope.py`` measures both forms from empty caches, their steps side by
 side). A block of rarer shapes (a budget that left one layer of the first block dense)
 runs eager: a graph of its own would cost a whole first compile for one block's gain.
-A block graph guarded on per-layer state (Hugging Face decoders build a
-key-value cache in training unless ``use_cache=False``) is compiled again for each block,
-mostly from inductor's cache.
+A block graph guarded on per-layer state is compiled again for each block, mostly from
+inductor's cache. Hugging Face decoders are the common case: they build a key-value cache
+in training too unless ``use_cache=False``, indexed by each layer's number, so in a
+training call (grad enabled) a model whose config asks for the cache is called with
+``use_cache=False``, as Hugging Face's own gradient checkpointing does: a cache built in
+training is never read, and it made each block a graph of its own.
 
 Blocks are the members of the model's stacks: an ``nn.ModuleList`` or ``nn.Sequential``
 of at least two modules of one class that hold a tensorized layer (a stack without one
@@ -30,11 +33,13 @@ compiles the whole model.
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from comera_compile.compile.rank_dims import bond_dims, symbolic_layers
@@ -143,7 +148,7 @@ class BlockCompile:
             self.installed = True
         self.active = True
         try:
-            return self.model._call_impl(*args, **kwargs)
+            return self.model._call_impl(*args, **_without_training_cache(self.model, kwargs))
         finally:
             self.active = False
 
@@ -154,6 +159,20 @@ class BlockCompile:
             return f"{total} {names} blocks compiled, the rest eager"
         return (f"{compiled} of {total} {names} blocks compiled (the others have shapes "
                 f"fewer than {MIN_SHARED} share), the rest eager")
+
+
+def _without_training_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``use_cache=False`` for a training call of a model whose config asks
+    for a key-value cache (module docstring); as given otherwise or when the caller set it."""
+    config = getattr(model, "config", None)
+    if ("use_cache" in kwargs or not getattr(config, "use_cache", False)
+            or not (model.training and torch.is_grad_enabled())):
+        return kwargs
+    try:
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {**kwargs, "use_cache": False} if takes else kwargs
 
 
 class _BlockCall:

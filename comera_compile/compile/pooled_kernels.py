@@ -11,13 +11,14 @@ first compile's time; ``benchmarks/results/pooled_kernels.md`` measures both way
 
 Everything else stays inductor's: its on-disk cache (keyed by the pooled source), its
 worker pool and its compile flags. Should a pooled build fail, each kernel is built alone,
-as inductor would have.
+as inductor would have; ``COMERA_POOLED_KERNELS=0`` in the environment turns pooling off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -197,6 +198,9 @@ def pooled_kernels() -> Iterator[None]:
     """Within: each generated module's CPU kernels are built in pools (module docstring)."""
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 
+    if os.environ.get("COMERA_POOLED_KERNELS", "1") == "0":
+        yield
+        return
     bind, wait = AsyncCompile.cpp_pybinding, AsyncCompile.wait
 
     def pooled_bind(self: Any, argtypes: list[str], source_code: str) -> PooledKernel:
