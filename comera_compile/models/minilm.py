@@ -10,6 +10,7 @@ READMEs), prose of another register to check that a recovery holds on text it ne
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import random
 import re
@@ -23,6 +24,15 @@ from torch import Tensor, nn
 
 def stdlib_sentences(seed: int = 0, limit: int | None = None) -> list[str]:
     """English sentences from the standard library's docstrings, de-duplicated and shuffled."""
+    ordered = list(_stdlib_sentences())
+    random.Random(seed).shuffle(ordered)
+    return ordered[:limit]
+
+
+@functools.cache
+def _stdlib_sentences() -> tuple[str, ...]:
+    """Every kept docstring sentence of the standard library, sorted: parsed once per
+    process (parsing the library takes seconds)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     sentences = set()
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
@@ -35,12 +45,9 @@ def stdlib_sentences(seed: int = 0, limit: int | None = None) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
                 for part in re.split(r"(?<=[.!?])\s+|\n\s*\n", ast.get_docstring(node) or ""):
-                    part = " ".join(part.split())
-                    if 40 <= len(part) <= 300 and sum(c.isalpha() for c in part) > 0.7 * len(part):
-                        sentences.add(part)
-    ordered = sorted(sentences)
-    random.Random(seed).shuffle(ordered)
-    return ordered[:limit]
+                    if kept := _keep(part):
+                        sentences.add(kept)
+    return tuple(sorted(sentences))
 
 
 def _keep(part: str) -> str | None:
