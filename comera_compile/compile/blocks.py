@@ -127,6 +127,7 @@ class BlockCompile:
                  compile: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         self.model, self.blocks = model, blocks
         self.compiled_blocks = list(blocks)  # those that run compiled (``select``)
+        self.drops_cache = _takes_use_cache(model)  # read once: not per training call
         self.active = self.installed = False
         # a code object of this model's own: dynamo keeps its graphs per code object, so
         # two models never share (nor use up) each other's cache entries
@@ -139,7 +140,8 @@ class BlockCompile:
         first call: blocks are installed then."""
         if self.installed:
             raise RuntimeError("select the compiled blocks before the first call")
-        self.compiled_blocks = [b for b in self.blocks if any(b is c for c in blocks)]
+        chosen = {id(b) for b in blocks}
+        self.compiled_blocks = [b for b in self.blocks if id(b) in chosen]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.installed:  # at first use: a caller that compiles whole never installs
@@ -148,7 +150,9 @@ class BlockCompile:
             self.installed = True
         self.active = True
         try:
-            return self.model._call_impl(*args, **_without_training_cache(self.model, kwargs))
+            if self.drops_cache:
+                kwargs = _without_training_cache(self.model, kwargs)
+            return self.model._call_impl(*args, **kwargs)
         finally:
             self.active = False
 
@@ -161,18 +165,22 @@ class BlockCompile:
                 f"fewer than {MIN_SHARED} share), the rest eager")
 
 
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``use_cache`` (a Hugging Face model's does)."""
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _without_training_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with ``use_cache=False`` for a training call of a model whose config asks
-    for a key-value cache (module docstring); as given otherwise or when the caller set it."""
-    config = getattr(model, "config", None)
-    if ("use_cache" in kwargs or not getattr(config, "use_cache", False)
+    for a key-value cache (module docstring); as given otherwise or when the caller set it.
+    The model's forward takes ``use_cache`` (``_takes_use_cache``, checked once)."""
+    if ("use_cache" in kwargs or not getattr(getattr(model, "config", None), "use_cache", False)
             or not (model.training and torch.is_grad_enabled())):
         return kwargs
-    try:
-        takes = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes = False
-    return {**kwargs, "use_cache": False} if takes else kwargs
+    return {**kwargs, "use_cache": False}
 
 
 class _BlockCall:
