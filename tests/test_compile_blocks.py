@@ -231,6 +231,7 @@ def test_a_block_of_rare_shapes_runs_eager_beside_compiled_blocks():
     impl.shapes_change_after(10)
     assert impl.compiled_form is impl.blocks
     assert impl.blocks.compiled_blocks == list(model.layers)[1:] and not impl.cuts_recompile
+    assert impl.compiled_share == 0.75  # what a profiled estimate scales its gain by
 
 
 def test_blocks_option_is_checked_and_not_a_backend_option():

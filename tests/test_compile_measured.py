@@ -179,10 +179,10 @@ def test_compile_always_skips_the_measurement_and_bad_values_are_refused():
 
 @pytest.mark.parametrize("calls, compiles", [(50, False), (10**6, True)])
 def test_a_first_compile_that_cannot_pay_before_the_shapes_change_is_not_made(calls, compiles):
-    """Told the shapes change after ``calls`` training calls, the race times eager first;
-    50 steps of 20 ms cannot save a first compile's cost even at the best speedup, so
-    nothing compiles and the summary says why; a long horizon races as before."""
-    from comera_compile.compile.measured import MIN_COMPILE_S
+    """Told the shapes change after ``calls`` training calls, the race times eager first
+    (one step profiled for its bound); 50 steps of 20 ms cannot save a first compile's
+    cost, so nothing compiles and the summary says why; a long horizon races as before."""
+    from comera_compile.compile.measured import FIRST_COMPILE_S
 
     model, ran = _install(0.02, 0.005)
     impl = model._compiled_call_impl
@@ -202,7 +202,61 @@ def test_a_first_compile_that_cannot_pay_before_the_shapes_change_is_not_made(ca
         assert race.choice == EAGER and not is_compiled(model)
         why = impl.describe()
         assert why.startswith("eager: the cores' shapes change in") and \
-            f"{MIN_COMPILE_S:.0f} s" in why
+            f"about {FIRST_COMPILE_S:.0f} s" in why
+    assert impl.bound is not None  # a sleeping step: little kept, a high bound
+
+
+def test_a_profiled_bound_decides_by_the_saving_to_expect_not_the_most():
+    """With a profiled bound, a first compile must be expected to pay: ``REALIZED`` of the
+    bound's removable time, in the share of the model that compiles, over the steps left,
+    against a typical first compile. 300 steps of 0.5 s at a bound of 1.3x could save 50 s
+    at the best speedup seen, but are expected to save about 17 s: they stay eager."""
+    from comera_compile.compile.measured import (
+        FIRST_COMPILE_S,
+        MAX_SPEEDUP,
+        MIN_COMPILE_S,
+        REALIZED,
+        expected_speedup,
+    )
+
+    assert expected_speedup(2.0) == pytest.approx(1 / (1 - 0.5 * REALIZED))
+    assert expected_speedup(2.0, 0.5) == pytest.approx(1 / (1 - 0.25 * REALIZED))
+    assert expected_speedup(1.0) == 1.0
+    model, _ = _install(0.0, 0.0)
+    impl = model._compiled_call_impl
+    impl.shapes_change_after(300)
+    race = impl.races["training"]
+    race.periods[EAGER] = [0.5] * (WARMUP[EAGER] + 3)
+    assert 300 * 0.5 * (1 - 1 / MAX_SPEEDUP["cpu"]) >= MIN_COMPILE_S
+    assert impl._why_not_compile(race, cuda=False) == ""  # unprofiled: the best case
+    impl.bound = 1.3
+    saved = 300 * 0.5 * (1 - 1 / expected_speedup(1.3))
+    assert saved < FIRST_COMPILE_S
+    why = impl._why_not_compile(race, cuda=False)
+    assert f"expected to save {saved:.1f} s" in why and "at most 1.30x" in why
+    impl.shapes_change_after(3000)  # ten times the steps: expected to pay
+    assert impl._why_not_compile(race, cuda=False) == ""
+
+
+def test_an_evaluation_voids_a_known_horizon_profile():
+    """The bound takes a profiled step and the unprofiled one after it; an evaluation
+    between voids the profile, and the next steps take it again."""
+    model, ran = _install(0.01, 0.001)
+    model._compiled_call_impl = impl = MeasuredCompile(model, ran.append, trials=8)
+    impl.shapes_change_after(10**6)
+    x = torch.randn(2, 4)
+    for _ in range(WARMUP[EAGER] + 1):  # the warm-up, then the first timed step
+        model(x).sum().backward()
+    assert impl._profile is not None
+    with torch.no_grad():
+        model.eval()(x)
+    model.train()
+    assert impl._profile is None and impl.bound is None
+    assert not torch._C._autograd._profiler_enabled()
+    for _ in range(4):  # a period's start, profiled, unprofiled: the bound
+        model(x).sum().backward()
+    assert not ran
+    assert impl.bound is not None and impl.bound > 1.5  # the step mostly sleeps
 
 
 @pytest.mark.parametrize("symbolic_ranks, horizon", [(None, 300), (True, 300), (False, 60)])
@@ -241,14 +295,6 @@ def test_kept_time_is_matmuls_attention_convolutions_and_the_optimizer():
     assert speedup_bound(0.080, 0.0) == float("inf")
 
 
-class _StubProfile:
-    def __init__(self, bound):
-        self.value = bound
-
-    def bound(self, period):
-        return self.value
-
-
 @pytest.mark.parametrize("bound, wait_s", [(2.0, None), (1.25, 15.0 / (1 - 1 / 1.25)),
                                            (1.02, "eager")])
 def test_the_profiled_bound_sets_the_wait_or_keeps_the_model_eager(bound, wait_s):
@@ -260,9 +306,9 @@ def test_the_profiled_bound_sets_the_wait_or_keeps_the_model_eager(bound, wait_s
     model, ran = _install(0.0, 0.0)
     impl = MeasuredCompile(model, lambda x: ran.append(COMPILED))
     impl._cuda = False  # calls ran on CPU; the wait is the rule's
-    impl._profile = _StubProfile(bound)
+    impl._kept_s = 0.100 / bound  # as a profiled step leaves it
     impl._read_bound(0.100)
-    assert impl.bound == bound and impl._profile is None
+    assert impl.bound == pytest.approx(bound) and impl._kept_s is None
     if wait_s == "eager":
         assert impl.races["training"].choice == EAGER
         assert "could gain at most 1.02x" in impl.describe()

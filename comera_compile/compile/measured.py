@@ -27,6 +27,11 @@ graph's first compile took 28-64 s (``python benchmarks/compiled.py``, "compile 
 steps at most 1.43x faster. So eager steps are timed first, and the model compiles only if
 the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
 steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
+On CPU one of those eager steps is profiled (``compile.step_bound``), and the estimate is
+then what a compile is expected to save, not the most it could: the share of the bound's
+removable time compiled steps have removed (``REALIZED``), of the blocks that compile,
+against a typical first compile (``FIRST_COMPILE_S``). A run that is expected to lose time
+to its compile stays eager.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from torch import nn
 
 from comera_compile.compile.blocks import shared_blocks, why_not_blocks
 from comera_compile.compile.rank_dims import SymbolicRanks, symbolic_layers
-from comera_compile.compile.step_bound import StepProfile
+from comera_compile.compile.step_bound import StepProfile, speedup_bound
 from comera_compile.nn import TensorizedLayer
 
 COMPILED, EAGER = "compiled", "eager"
@@ -59,6 +64,25 @@ MIN_COMPILE_S = 15.0
 """What a training graph's first compile costs at the least: about half the fastest measured
 from an empty cache (28 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
 for faster machines. Gains under this cannot pay for compiling."""
+
+REALIZED = 0.5
+"""The share of a profiled step's removable time (``compile.step_bound``) that compiled CPU
+steps have removed: 0.25-0.70 over four models (``python benchmarks/compiled.py``, "default
+/ eager" against "bound"); inductor's kernels run the fused ops in time too."""
+
+FIRST_COMPILE_S = 25.0
+"""What a first compile of a training graph is expected to cost on CPU: 22-52 s from an
+empty cache on a 2-core CPU (``python benchmarks/pooled_kernels.py``, blocks or whole
+models). Used with a profiled bound, where the estimate is what compiling is expected to
+save, not the most it could."""
+
+
+def expected_speedup(bound: float, compiled_share: float = 1.0) -> float:
+    """The step speedup to expect where a profiled step's ``bound`` is known: ``REALIZED``
+    of its removable time removed, in the ``compiled_share`` of the model that compiles."""
+    removed = (1 - 1 / bound) * REALIZED * compiled_share
+    return 1 / (1 - removed)
+
 
 def wait_for(best: float) -> float:
     """Eager seconds over which steps that a compiled step would run ``best`` times faster
@@ -171,13 +195,16 @@ class MeasuredCompile:
         self._wait_set = wait_s  # None: by the rule (the device, the profiled bound)
         self.bound: float | None = None  # the compiled step's best speedup (step_bound)
         self._cuda: bool | None = None  # where the calls run, once one has
-        self._profile: StepProfile | None = None
+        self._profile: StepProfile | None = None  # the step being profiled for the bound
+        self._kept_s: float | None = None  # the profiled step's time in kept kernels
         self.waited_s = {TRAINING: 0.0, INFERENCE: 0.0}  # eager seconds counted so far
         self._training_start: float | None = None  # the last training call's start
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         training = self.model.training and torch.is_grad_enabled()
         kind = TRAINING if training else INFERENCE
+        if not training:
+            self._void_training_period()
         if not training and self.calls_before_change is not None and (
                 self.races[TRAINING].choice != COMPILED):
             # cuts are coming: evaluation compiles only once training has compiled
@@ -197,6 +224,8 @@ class MeasuredCompile:
                 if why:
                     self.run_eager(why)
                     mode = EAGER
+            elif mode == EAGER and not self.has_compiled and race.choice is None:
+                self._eager_training_call(time.perf_counter())  # a known horizon's bound
         if mode == COMPILED:
             self.has_compiled = self.has_compiled or training
             return self.compiled_form(*args, **kwargs)
@@ -261,29 +290,44 @@ class MeasuredCompile:
         if training:
             self.training_calls += 1
             if self._training_start is not None:
-                period = start - self._training_start
-                self.waited_s[TRAINING] += period
-                if self._profile is not None:
-                    self._read_bound(period)
-                elif (self.bound is None and self._wait_set is None and not self._cuda
-                      and StepProfile.available()):  # profiled on CPU only
-                    self._profile = StepProfile()
-                    start = self._profile.start  # the profiled period starts here
-            self._training_start = start
+                self.waited_s[TRAINING] += start - self._training_start
+            self._eager_training_call(start)
             return self.model._call_impl(*args, **kwargs)
-        self._training_start = None
-        if self._profile is not None:  # an evaluation voids the period
-            self._profile.stop()
-            self._profile = None
+        self._void_training_period()
         out = self.model._call_impl(*args, **kwargs)
         self.waited_s[INFERENCE] += time.perf_counter() - start
         return out
 
+    def _eager_training_call(self, start: float) -> None:
+        """An eager training call starts at ``start``, ending the period of the one before.
+        Two periods give the bound (``compile.step_bound``): a profiled one, the time that
+        compiled code keeps; the next, unprofiled, the step's time (the profiler slows the
+        rest of a step several times over, not the kernels it keeps)."""
+        if self._training_start is not None:
+            period = start - self._training_start
+            if self._profile is not None:
+                profile, self._profile = self._profile, None
+                self._kept_s = profile.kept(period)
+                start = time.perf_counter()  # reading the profile is no part of a step
+            elif self._kept_s is not None:
+                self._read_bound(period)
+            elif self.bound is None and not self._cuda and StepProfile.available():
+                self._profile = StepProfile()  # profiled on CPU only
+                start = self._profile.start  # the profiled period starts here
+        self._training_start = start
+
+    def _void_training_period(self) -> None:
+        """A call that is not a training step (an evaluation) ends no period."""
+        self._training_start = None
+        if self._profile is not None:
+            self._profile.stop()
+            self._profile = None
+
     def _read_bound(self, period: float) -> None:
-        """End the profiled training period: its bound (``compile.step_bound``) lengthens
-        the wait (``wait_s``) or, under ``MARGIN``, keeps the model eager for good."""
-        profile, self._profile = self._profile, None
-        self.bound = profile.bound(period)
+        """The bound from an unprofiled period and the kept time profiled before it: it
+        lengthens the wait (``wait_s``), decides a known horizon's first compile
+        (``_why_not_compile``) or, under ``MARGIN``, keeps the model eager for good."""
+        self.bound, self._kept_s = speedup_bound(period, self._kept_s), None
         if self.bound < MARGIN:
             self.run_eager(
                 f"a compiled step could gain at most {self.bound:.2f}x (under the "
@@ -291,6 +335,14 @@ class MeasuredCompile:
                 "matrix products, attention, convolutions, the optimizer and the loop's "
                 "own work, which compiled code leaves as eager runs them "
                 "(compile.step_bound)")
+
+    @property
+    def compiled_share(self) -> float:
+        """The share of the model's blocks that compiled calls run compiled (1 where the
+        whole model compiles)."""
+        form = self.compiled_form
+        compiled = getattr(form, "compiled_blocks", None)
+        return len(compiled) / len(form.blocks) if compiled else 1.0
 
     @property
     def whole_why(self) -> str:
@@ -324,7 +376,19 @@ class MeasuredCompile:
         if self.calls_before_change is None or eager is None:
             return ""
         calls = self.calls_before_change - self.training_calls
-        best = min(MAX_SPEEDUP["cuda" if cuda else "cpu"], self.bound or float("inf"))
+        if self.bound is not None:  # profiled: what a compile is expected to save
+            share = self.compiled_share
+            speedup = expected_speedup(self.bound, share)
+            saved = calls * eager * (1 - 1 / speedup)
+            if saved >= FIRST_COMPILE_S:
+                return ""
+            part = "" if share == 1 else f" in the {share:.0%} of its blocks that compile"
+            return (f"{self._horizon} in {max(calls, 0)} steps, and a compiled step is "
+                    f"expected to save {saved:.1f} s over them (eager's step: "
+                    f"{eager * 1e3:.0f} ms, at most {self.bound:.2f}x faster compiled; "
+                    f"{REALIZED:.0%} of that gain{part}), under what a first compile "
+                    f"costs (about {FIRST_COMPILE_S:.0f} s)")
+        best = MAX_SPEEDUP["cuda" if cuda else "cpu"]
         most = calls * eager * (1 - 1 / best)
         if most >= MIN_COMPILE_S:
             return ""

@@ -12,9 +12,11 @@ is the speedup a compiled step would reach if the rest took no time at all: no c
 step beats it. :class:`StepProfile` profiles a step from its forward call until the
 optimizer's step ends, so the profiler does not run on past the step; the rest of the
 step's period (the loop's own work) counts as kept.
-:class:`~comera_compile.compile.measured.MeasuredCompile` profiles one step of its wait and
-neither compiles a model whose bound is under the margin it asks of a compiled step, nor
-waits as if its steps could gain more than the bound allows.
+:class:`~comera_compile.compile.measured.MeasuredCompile` profiles one eager step (of its
+wait, or of a known run's first steps), divides the next, unprofiled, step's time by the
+kept time (the profiler slows the rest of a step, not the kept kernels), and neither
+compiles a model whose bound is under the margin it asks of a compiled step, nor waits or
+compiles as if its steps could gain more than the bound allows.
 """
 
 from __future__ import annotations
@@ -91,12 +93,18 @@ class StepProfile:
             self.hook.remove()
             self.profiler.__exit__(None, None, None)
 
-    def bound(self, period: float) -> float:
-        """The compiled step's best speedup, for a step of ``period`` seconds from this
-        profile's start; what the profile did not see counts as kept."""
+    def kept(self, period: float) -> float:
+        """Seconds compiled code keeps of a step of ``period`` seconds from this profile's
+        start: the kept kernels' time, and what the profile did not see."""
         self.stop()
         outside = max(0.0, period - (self.end - self.start))
-        return speedup_bound(period, kept_seconds(self.profiler.key_averages()) + outside)
+        return kept_seconds(self.profiler.key_averages()) + outside
+
+    def bound(self, period: float) -> float:
+        """The compiled step's best speedup, for a step of ``period`` seconds from this
+        profile's start (the profiler's own time counted as the step's: an overestimate;
+        ``MeasuredCompile`` divides an unprofiled step's time by ``kept``)."""
+        return speedup_bound(period, self.kept(period))
 
 
 def _stop_all() -> None:
