@@ -69,6 +69,7 @@ from comera_compile.compile import matmul_orientation, reductions
 from comera_compile.compile.absorbed_attention import absorb_attention
 from comera_compile.compile.dropout import DropoutTag, hash_dropouts, may_drop_out
 from comera_compile.compile.dropout import decompositions as dropout_decompositions
+from comera_compile.compile.dtype_rules import dtype_rules_once
 from comera_compile.compile.host_memory import (
     host_memory_mode,
     release_free_heap,
@@ -301,10 +302,15 @@ def _compile_then_release(cuda: bool):
     from torch._inductor.compile_fx import compile_fx_inner
 
     if cuda:
-        return compile_fx_inner
+        def compile_with_rules_once(*args: Any, **kwargs: Any):
+            with dtype_rules_once():
+                return compile_fx_inner(*args, **kwargs)
+
+        return compile_with_rules_once
 
     def compile_and_release(*args: Any, **kwargs: Any):
-        with pooled_kernels():  # one compiler run per worker, not per kernel
+        # one compiler run per worker, not per kernel; dtype rules built once, not per op
+        with pooled_kernels(), dtype_rules_once():
             compiled = compile_fx_inner(*args, **kwargs)
         release_free_heap()
         return compiled
