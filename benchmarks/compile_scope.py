@@ -53,7 +53,8 @@ SCOPES = ("whole", "blocks")
 def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
     """The dense model and an input batch (8 x 128). ``llama-12``: LLaMA with 12 layers;
     ``-nocache``: with ``use_cache=False`` (in training, Hugging Face decoders otherwise
-    build a key-value cache whose per-layer state each block's graph is guarded on)."""
+    build a key-value cache whose per-layer state each block's graph is guarded on);
+    ``-dropout``: dropout 0.1 in every ``nn.Dropout`` and attention."""
     parts = name.split("-")
     base = "sdpa-encoder" if name == "sdpa-encoder" else parts[0]
     builder, width = MODELS[base]
@@ -66,6 +67,12 @@ def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
         config.use_cache = "nocache" not in parts
         torch.manual_seed(0)
         dense = type(dense)(config)
+    if "dropout" in parts:  # dropout 0.1 wherever the model has dropout
+        for module in dense.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.1
+            elif isinstance(module, torch.nn.MultiheadAttention):
+                module.dropout = 0.1
     x = torch.randint(0, 256, (8, 128)) if width is None else torch.randn(8, 128, width)
     return dense.train(), x
 

@@ -4,9 +4,11 @@ Inductor's code generation asks :class:`DtypePropagationOpsHandler` for every op
 (the CSE proxy's ``_default``) and constructs the handler each time. The class is a
 singleton (``__new__`` returns one instance) but Python runs ``__init__`` on every
 construction, and that ``__init__`` rebuilds the whole rule table: a ``functools.partial``
-per op, ``setattr``, then ``dir(self)`` to check that no op lacks a rule. On a CPU that was
-the largest single cost of C++ code generation, about a sixth of a first compile
-(``python benchmarks/pooled_kernels.py`` times first compiles with and without it).
+per op, ``setattr``, then ``dir(self)`` to check that no op lacks a rule. Its share of a
+first compile grows with the ops per kernel: small for plain transformer blocks, largest
+where hashed dropout masks (``compile.dropout``) put a few dozen integer ops into each
+kernel that applies one (``python benchmarks/pooled_kernels.py`` times first compiles with
+and without it).
 
 :func:`dtype_rules_once` runs the original ``__init__`` only when the rule registries have
 changed since it last ran (they are filled at import; a later registration rebuilds the
