@@ -226,3 +226,44 @@ def test_flops_budget_unreachable_only_when_it_is():
 def test_uniform_ranks_clip_every_bond():
     assert uniform_ranks((8, 8, 8, 8), 100) == (1, 8, 64, 8, 1)
     assert uniform_ranks((8, 8, 8, 8), 100, max_rank=10) == (1, 8, 10, 8, 1)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_copies_of_a_layer_in_repeated_blocks_are_tensorized_alike(monkeypatch):
+    """Training from scratch, the budget's last share left one block's ``down`` dense:
+    another shape than its copies, so a compiled graph of its own. Tied, every copy is
+    tensorized and the budget is still spent (95-100%)."""
+    from comera_compile.nn import TensorizedLayer
+    from comera_compile.passes import select
+
+    assert select.block_place("model.layers.3.mlp.up_proj") == "model.layers.*.mlp.up_proj"
+    x = (torch.randn(8, 64),)
+    dense = sum(p.numel() for p in _Blocks().parameters())
+    model = cc.optimize(_Blocks(), budget=0.6, example_inputs=x, compile=False)
+    for block in model.blocks:
+        assert isinstance(block.up, TensorizedLayer) and isinstance(block.down, TensorizedLayer)
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.95 * 0.6 * dense <= params <= 0.6 * dense
+    monkeypatch.setattr(select, "_unlike_copies", lambda options, states: [])  # untied
+    untied = cc.optimize(_Blocks(), budget=0.6, example_inputs=x, compile=False)
+    assert "blocks.0.down" in cc.summary(untied).skipped

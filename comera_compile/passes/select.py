@@ -6,7 +6,9 @@ anything the user excluded stay dense, each with its reason. Small ``sparse=True
 held dense while the budget can be met without them. Then the allocator
 (``allocate.py``) picks every other layer's ranks, per bond for pretrained weights, so the
 model lands between 95% and 100% of the budget, minimising the objective that fits the init
-(``objectives.py``). Without a budget every eligible layer gets the rank cap (30, as CoMERA).
+(``objectives.py``). Training from scratch, where it tensorized some copies of a layer in
+repeated blocks and left others dense, all are tensorized and the budget spread again
+(``_unlike_copies``), so the blocks keep one shape. Without a budget every eligible layer gets the rank cap (30, as CoMERA).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ MIN_PARAMS = 4096  # smaller layers stay dense: launch overhead beats any saving
 HEAD_CLASSES = 16  # Linear layers with fewer outputs are classifier heads: kept dense
 NARROW = 16  # Linear layers with at most this many inputs or outputs are kept dense
 MIN_SPARSE_TABLE = 1 << 18  # sparse=True tables with fewer entries are kept dense
+MIN_COPIES = 3  # a layer in this many repeated blocks is tensorized in all or left as chosen
 
 
 @dataclass
@@ -370,6 +373,14 @@ def select_layers(
     if states is None:
         smallest = totals_of(plans, cheapest_states(plans, limits), before)
         raise _unreachable(budget, before, smallest, limits)
+    unlike = _unlike_copies(options, states) if init != "dense" else []
+    while unlike:  # tensorize every copy, and spread the budget over them again
+        for i in unlike:
+            plans[i].forced = True
+        again = allocate(plans, base, limits)
+        if again is None:
+            break
+        states, unlike = again, _unlike_copies(options, again)
     chosen, errors, shares = {}, {}, {}
     for option, plan, ranks in zip(options, plans, states):
         name = option.cand.name
@@ -390,6 +401,32 @@ def select_layers(
     felt = {o.cand.name: o.felt for o in options if o.felt is not None}
     return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons,
                      felt)
+
+
+def block_place(name: str) -> str:
+    """A layer's place in the model's repeated blocks: its name with the stack indices
+    starred (``model.layers.3.mlp.up_proj`` -> ``model.layers.*.mlp.up_proj``)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _unlike_copies(options: list[_Option], states: list[Ranks | None]) -> list[int]:
+    """The layers the allocator left dense where copies of them in ``MIN_COPIES`` or more
+    repeated blocks are tensorized. Training from scratch, every layer is compressed
+    alike, so one copy left dense only spent the last of the budget; but it makes its
+    block another shape than the rest, a compiled graph (and a first compile) of its own.
+    Tensorized too, it costs that budget back in the copies' ranks."""
+    copies: dict[tuple, list[int]] = {}
+    for i, option in enumerate(options):
+        place = block_place(option.cand.name)
+        if place != option.cand.name and option.fixed is None:
+            key = (place, option.fmt, option.in_modes, option.out_modes)
+            copies.setdefault(key, []).append(i)
+    unlike = []
+    for members in copies.values():
+        dense = [i for i in members if states[i] is None]
+        if len(members) >= MIN_COPIES and 0 < len(dense) < len(members):
+            unlike += dense
+    return unlike
 
 
 def _weigh_by_sensitivity(options: list[_Option], plans: list[LayerPlan],
