@@ -8,7 +8,8 @@ held dense while the budget can be met without them. Then the allocator
 model lands between 95% and 100% of the budget, minimising the objective that fits the init
 (``objectives.py``). Training from scratch, where it tensorized some copies of a layer in
 repeated blocks and left others dense, all are tensorized and the budget spread again
-(``_unlike_copies``), so the blocks keep one shape. Without a budget every eligible layer gets the rank cap (30, as CoMERA).
+(``_unlike_copies``), so the blocks keep one shape. Without a budget every eligible layer
+gets the rank cap (30, as CoMERA).
 """
 
 from __future__ import annotations
