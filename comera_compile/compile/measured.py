@@ -301,8 +301,8 @@ class MeasuredCompile:
     def _eager_training_call(self, start: float) -> None:
         """An eager training call starts at ``start``, ending the period of the one before.
         Two periods give the bound (``compile.step_bound``): a profiled one, the time that
-        compiled code keeps; the next, unprofiled, the step's time (the profiler slows the
-        rest of a step several times over, not the kernels it keeps)."""
+        compiled code keeps; the next, unprofiled, the step's time (the profiler adds its own
+        time to every op it records, and reading its results takes a while)."""
         if self._training_start is not None:
             period = start - self._training_start
             if self._profile is not None:

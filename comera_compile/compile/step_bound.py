@@ -14,7 +14,7 @@ optimizer's step ends, so the profiler does not run on past the step; the rest o
 step's period (the loop's own work) counts as kept.
 :class:`~comera_compile.compile.measured.MeasuredCompile` profiles one eager step (of its
 wait, or of a known run's first steps), divides the next, unprofiled, step's time by the
-kept time (the profiler slows the rest of a step, not the kept kernels), and neither
+kept time (the profiler adds its own time to every op it records), and neither
 compiles a model whose bound is under the margin it asks of a compiled step, nor waits or
 compiles as if its steps could gain more than the bound allows.
 """
