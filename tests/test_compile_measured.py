@@ -234,6 +234,9 @@ def test_a_profiled_bound_decides_by_the_saving_to_expect_not_the_most():
     assert saved < FIRST_COMPILE_S
     why = impl._why_not_compile(race, cuda=False)
     assert f"expected to save {saved:.1f} s" in why and "at most 1.30x" in why
+    impl.kept_s = 0.25  # profiled: the bound is the race's fastest eager step over it
+    why = impl._why_not_compile(race, cuda=False)
+    assert impl.bound == pytest.approx(2.0) and "at most 2.00x" in why
     impl.shapes_change_after(3000)  # ten times the steps: expected to pay
     assert impl._why_not_compile(race, cuda=False) == ""
 
@@ -306,9 +309,9 @@ def test_the_profiled_bound_sets_the_wait_or_keeps_the_model_eager(bound, wait_s
     model, ran = _install(0.0, 0.0)
     impl = MeasuredCompile(model, lambda x: ran.append(COMPILED))
     impl._cuda = False  # calls ran on CPU; the wait is the rule's
-    impl._kept_s = 0.100 / bound  # as a profiled step leaves it
+    impl.kept_s = 0.100 / bound  # as a profiled step leaves it
     impl._read_bound(0.100)
-    assert impl.bound == pytest.approx(bound) and impl._kept_s is None
+    assert impl.bound == pytest.approx(bound)
     if wait_s == "eager":
         assert impl.races["training"].choice == EAGER
         assert "could gain at most 1.02x" in impl.describe()
