@@ -16,8 +16,9 @@ steps and schedule, and reports held-out bits per byte:
   ``comera-tt`` does the same with TT layers and is compared with the ``tt`` row;
 - ``comera-compiled`` / ``default-compiled``: the same runs with ``optimize``'s default
   ``compile=True`` (eager for the measured compile's wait, or, in a rank-adaptive run of
-  known length, as long as a first compile could not pay before the first cut; then raced
-  against eager), whose time includes every compile; the graphs compiled are counted;
+  known length, for good where a first compile is not expected to pay by the run's end;
+  else raced against eager), whose time includes every compile; the graphs compiled are
+  counted;
 - ``galore``: the full model with GaLore's optimizer (skipped if ``galore-torch`` is absent).
 
 It prints, and writes to ``benchmarks/results/pretrain.md``, val bits per byte at equal

@@ -267,3 +267,34 @@ def test_copies_of_a_layer_in_repeated_blocks_are_tensorized_alike(monkeypatch):
     monkeypatch.setattr(select, "_unlike_copies", lambda options, states: [])  # untied
     untied = cc.optimize(_Blocks(), budget=0.6, example_inputs=x, compile=False)
     assert "blocks.0.down" in cc.summary(untied).skipped
+
+
+@pytest.mark.parametrize("build", [
+    lambda: BertModel(BertConfig(vocab_size=100, hidden_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, intermediate_size=256)),
+    lambda: GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=128, n_layer=4, n_head=4)),
+    lambda: LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=128,
+                                         intermediate_size=256, num_hidden_layers=4,
+                                         num_attention_heads=4)),
+], ids=["bert", "gpt2", "llama"])
+def test_hugging_face_blocks_are_tensorized_alike_within_the_budget(build):
+    """On models we did not write, at a budget that leaves some layers dense: every place
+    in the blocks is dense in all blocks or tensorized in all, 95-100% of the budget."""
+    from comera_compile.nn import TensorizedLayer
+    from comera_compile.passes.select import block_place
+
+    torch.manual_seed(0)
+    dense = build()
+    before = sum(p.numel() for p in dense.parameters())
+    model = cc.optimize(dense, budget=0.7, example_inputs=(torch.randint(0, 100, (2, 16)),),
+                        compile=False)
+    kinds: dict[str, set[bool]] = {}
+    for name, module in model.named_modules():
+        place = block_place(name)
+        if place != name and (isinstance(module, (nn.Linear, TensorizedLayer))
+                              or type(module).__name__ == "Conv1D"):
+            kinds.setdefault(place, set()).add(isinstance(module, TensorizedLayer))
+    assert kinds and all(len(k) == 1 for k in kinds.values()), kinds
+    assert any(True in k for k in kinds.values())
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.95 * 0.7 * before <= params <= 0.7 * before
