@@ -203,6 +203,7 @@ class MeasuredCompile:
         self._cuda: bool | None = None  # where the calls run, once one has
         self._profile: StepProfile | None = None  # the step being profiled for the bound
         self.kept_s: float | None = None  # the profiled step's time in kept kernels
+        self._profiled_s: float | None = None  # the profiled step's own period
         self.waited_s = {TRAINING: 0.0, INFERENCE: 0.0}  # eager seconds counted so far
         self._training_start: float | None = None  # the last training call's start
 
@@ -307,13 +308,14 @@ class MeasuredCompile:
     def _eager_training_call(self, start: float) -> None:
         """An eager training call starts at ``start``, ending the period of the one before.
         Two periods give the bound (``compile.step_bound``): a profiled one, the time that
-        compiled code keeps; the next, unprofiled, the step's time (the profiler adds its own
-        time to every op it records, and reading its results takes a while)."""
+        compiled code keeps; the step's time is the shorter of it and the next, unprofiled,
+        one (the profiler adds its own time to every op it records, and reading its results
+        takes a while; other work on the machine adds to either)."""
         if self._training_start is not None:
             period = start - self._training_start
             if self._profile is not None:
                 profile, self._profile = self._profile, None
-                self.kept_s = profile.kept(period)
+                self.kept_s, self._profiled_s = profile.kept(period), period
                 del profile  # freed here: reading and freeing the profile is no step's time
                 start = time.perf_counter()
             elif self.kept_s is not None and self.bound is None:
@@ -334,7 +336,8 @@ class MeasuredCompile:
         """The bound from an unprofiled period and the kept time profiled before it: it
         lengthens the wait (``wait_s``), decides a known horizon's first compile
         (``_why_not_compile``) or, under ``MARGIN``, keeps the model eager for good."""
-        self.bound = speedup_bound(period, self.kept_s)
+        steps = [t for t in (period, self._profiled_s) if t is not None]
+        self.bound = speedup_bound(min(steps), self.kept_s)  # noise only adds time
         if self.bound < MARGIN:
             self.run_eager(
                 f"a compiled step could gain at most {self.bound:.2f}x (under the "
