@@ -231,9 +231,10 @@ def main() -> None:
             f"{args.budget}{fmt}), AdamW, on {args.device} with {args.threads} CPU threads; "
             "ratios are eager time over compiled time, measured in one process (the race: "
             f"{COMPILED!r} and eager steps in turn; steady: alternating steps). Differences are "
-            "relative, before any optimizer step. 'bound': one eager step, profiled, over its time "
-            "in matrix products, attention and the optimizer, which compiled CPU code runs as "
-            "eager does (compile.step_bound): the most a compiled step could gain. 'compile s': "
+            "relative, before any optimizer step. 'bound': one eager step, profiled, over its "
+            "time in matrix products, attention, activations' arithmetic and the optimizer, "
+            "which compiled CPU code runs as eager does (compile.step_bound): the most a "
+            "compiled step could gain. 'compile s': "
             "the first compiled forward and backward, "
             + ("with inductor's cache as found" if args.warm_cache else
                "from an empty inductor cache") + ".\n\n```\n" + text + "\n```\n")

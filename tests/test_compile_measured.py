@@ -282,19 +282,25 @@ def test_a_rank_adaptive_trainer_of_known_length_announces_its_horizon(symbolic_
 
 
 class _Row:
-    def __init__(self, key, self_us, total_us):
+    def __init__(self, key, self_us, total_us, count=1):
         self.key, self.self_cpu_time_total, self.cpu_time_total = key, self_us, total_us
+        self.count = count
 
 
-def test_kept_time_is_matmuls_attention_convolutions_and_the_optimizer():
-    from comera_compile.compile.step_bound import kept_seconds, speedup_bound
+def test_kept_time_is_matmuls_attention_convolutions_activations_and_the_optimizer():
+    from comera_compile.compile.step_bound import LAUNCH_US, kept_seconds, speedup_bound
 
     rows = [_Row("aten::mm", 40_000, 41_000), _Row("aten::addmm", 5_000, 6_000),
             _Row("aten::_scaled_dot_product_flash_attention_for_cpu_backward", 10_000, 12_000),
-            _Row("Optimizer.step#AdamW.step", 100, 5_000), _Row("aten::gelu", 9_000, 9_000),
-            _Row("aten::add", 3_000, 3_000), _Row("aten::linear", 50, 47_000)]
+            _Row("Optimizer.step#AdamW.step", 100, 5_000), _Row("aten::add", 3_000, 3_000),
+            _Row("aten::linear", 50, 47_000)]
     assert kept_seconds(rows) == pytest.approx(0.060)  # 40 + 5 + 10 ms self, 5 ms optimizer
     assert speedup_bound(0.080, kept_seconds(rows)) == pytest.approx(80 / 60)
+    # a GELU's arithmetic is kept, its launches are not; many tiny calls keep nothing
+    gelu = _Row("aten::gelu_backward", 9_000, 9_000, count=100)
+    assert kept_seconds([*rows, gelu]) == pytest.approx(0.060 + (9_000 - 100 * LAUNCH_US) / 1e6)
+    tiny = _Row("aten::silu", 500, 500, count=100)
+    assert kept_seconds([*rows, tiny]) == pytest.approx(0.060)
     assert speedup_bound(0.080, 0.0) == float("inf")
 
 

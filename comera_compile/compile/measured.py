@@ -342,8 +342,8 @@ class MeasuredCompile:
             self.run_eager(
                 f"a compiled step could gain at most {self.bound:.2f}x (under the "
                 f"{MARGIN:.2f}x it must gain): {1 / self.bound:.0%} of an eager step is in "
-                "matrix products, attention, convolutions, the optimizer and the loop's "
-                "own work, which compiled code leaves as eager runs them "
+                "matrix products, attention, convolutions, transcendental activations, the "
+                "optimizer and the loop's own work, which compiled code runs as eager does "
                 "(compile.step_bound)")
 
     @property
