@@ -3,8 +3,11 @@
 import os
 import tempfile
 
-import pytest
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):  # parallel workers: a core each, not two threads each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("COMERA_CACHE_DIR", tempfile.mkdtemp(prefix="comera-test-cache-"))
 
