@@ -8,7 +8,8 @@ held dense while the budget can be met without them. Then the allocator
 model lands between 95% and 100% of the budget, minimising the objective that fits the init
 (``objectives.py``). Training from scratch, where it tensorized some copies of a layer in
 repeated blocks and left others dense, all are tensorized and the budget spread again
-(``_unlike_copies``), so the blocks keep one shape. Without a budget every eligible layer
+(``_unlike_copies``), and copies' ranks are made alike (``_alike_ranks``), so the blocks
+keep one shape. Without a budget every eligible layer
 gets the rank cap (30, as CoMERA).
 """
 
@@ -30,6 +31,7 @@ from comera_compile.formats import (
     lowrank_table_modes,
 )
 from comera_compile.passes.allocate import (
+    FILL,
     MIN_COMPRESSION,
     LayerPlan,
     Ranks,
@@ -382,6 +384,9 @@ def select_layers(
         if again is None:
             break
         states, unlike = again, _unlike_copies(options, again)
+    if init != "dense":
+        states = _alike_ranks(options, states, lambda st: max(
+            totals_of(plans, st, base)[m] / cap for m, cap in limits.items()))
     chosen, errors, shares = {}, {}, {}
     for option, plan, ranks in zip(options, plans, states):
         name = option.cand.name
@@ -410,24 +415,49 @@ def block_place(name: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
-def _unlike_copies(options: list[_Option], states: list[Ranks | None]) -> list[int]:
-    """The layers the allocator left dense where copies of them in ``MIN_COPIES`` or more
-    repeated blocks are tensorized. Training from scratch, every layer is compressed
-    alike, so one copy left dense only spent the last of the budget; but it makes its
-    block another shape than the rest, a compiled graph (and a first compile) of its own.
-    Tensorized too, it costs that budget back in the copies' ranks."""
+def _copies(options: list[_Option]) -> list[list[int]]:
+    """The indices of each layer's copies in ``MIN_COPIES`` or more repeated blocks (same
+    place in the block, format and modes)."""
     copies: dict[tuple, list[int]] = {}
     for i, option in enumerate(options):
         place = block_place(option.cand.name)
         if place != option.cand.name and option.fixed is None:
             key = (place, option.fmt, option.in_modes, option.out_modes)
             copies.setdefault(key, []).append(i)
+    return [members for members in copies.values() if len(members) >= MIN_COPIES]
+
+
+def _unlike_copies(options: list[_Option], states: list[Ranks | None]) -> list[int]:
+    """The layers the allocator left dense where copies of them in ``MIN_COPIES`` or more
+    repeated blocks are tensorized. Training from scratch, every layer is compressed
+    alike, so one copy left dense only spent the last of the budget; but it makes its
+    block another shape than the rest, a compiled graph (and a first compile) of its own.
+    Tensorized too, it costs that budget back in the copies' ranks."""
     unlike = []
-    for members in copies.values():
+    for members in _copies(options):
         dense = [i for i in members if states[i] is None]
-        if len(members) >= MIN_COPIES and 0 < len(dense) < len(members):
+        if 0 < len(dense) < len(members):
             unlike += dense
     return unlike
+
+
+def _alike_ranks(options: list[_Option], states: list[Ranks | None],
+                 fill: Callable[[list[Ranks | None]], float]) -> list[Ranks | None]:
+    """``states`` with the tensorized copies of each layer in ``MIN_COPIES`` or more
+    repeated blocks at the least of their ranks, bond by bond. Training from scratch the
+    copies differ only where the budget's last rank increments ran out (14 in three
+    blocks, 13 in the fourth): a block of other ranks is another shape, so compiled at
+    static ranks it runs eager or needs a graph of its own. Lowering ranks only frees
+    budget; kept as allocated if that leaves it under ``FILL`` spent."""
+    alike = list(states)
+    for members in _copies(options):
+        ranks = [states[i] for i in members]
+        if any(r is None for r in ranks) or len(set(ranks)) == 1:
+            continue
+        least = tuple(map(min, *ranks))
+        for i in members:
+            alike[i] = least
+    return alike if fill(alike) >= FILL else states
 
 
 def _weigh_by_sensitivity(options: list[_Option], plans: list[LayerPlan],
