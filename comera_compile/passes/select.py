@@ -9,8 +9,7 @@ model lands between 95% and 100% of the budget, minimising the objective that fi
 (``objectives.py``). Training from scratch, where it tensorized some copies of a layer in
 repeated blocks and left others dense, all are tensorized and the budget spread again
 (``_unlike_copies``), and copies' ranks are made alike (``_alike_ranks``), so the blocks
-keep one shape. Without a budget every eligible layer
-gets the rank cap (30, as CoMERA).
+keep one shape. Without a budget every eligible layer gets the rank cap (30, as CoMERA).
 """
 
 from __future__ import annotations
@@ -385,8 +384,7 @@ def select_layers(
             break
         states, unlike = again, _unlike_copies(options, again)
     if init != "dense":
-        states = _alike_ranks(options, states, lambda st: max(
-            totals_of(plans, st, base)[m] / cap for m, cap in limits.items()))
+        states = _alike_ranks(options, plans, states, base, limits)
     chosen, errors, shares = {}, {}, {}
     for option, plan, ranks in zip(options, plans, states):
         name = option.cand.name
@@ -441,8 +439,8 @@ def _unlike_copies(options: list[_Option], states: list[Ranks | None]) -> list[i
     return unlike
 
 
-def _alike_ranks(options: list[_Option], states: list[Ranks | None],
-                 fill: Callable[[list[Ranks | None]], float]) -> list[Ranks | None]:
+def _alike_ranks(options: list[_Option], plans: list[LayerPlan], states: list[Ranks | None],
+                 base: dict[str, float], limits: dict[str, float]) -> list[Ranks | None]:
     """``states`` with the tensorized copies of each layer in ``MIN_COPIES`` or more
     repeated blocks at the least of their ranks, bond by bond. Training from scratch the
     copies differ only where the budget's last rank increments ran out (14 in three
@@ -457,7 +455,9 @@ def _alike_ranks(options: list[_Option], states: list[Ranks | None],
         least = tuple(map(min, *ranks))
         for i in members:
             alike[i] = least
-    return alike if fill(alike) >= FILL else states
+    totals = totals_of(plans, alike, base)
+    spent = max(totals[m] / cap for m, cap in limits.items())  # as the allocator's fill
+    return alike if spent >= FILL else states
 
 
 def _weigh_by_sensitivity(options: list[_Option], plans: list[LayerPlan],
