@@ -101,7 +101,7 @@ def test_compiled_encoder_absorbs_its_attention_with_eager_gradients(caplog):
     with caplog.at_level(logging.INFO, logger="comera_compile"):
         compiled = compile_model(copy.deepcopy(model))
         got, g_got = _loss_and_grads(compiled, ids, mask, labels)
-    assert "1 attention(s) computed through their TT bonds" in caplog.text
+    assert "1 attention(s) computed through their rank bonds" in caplog.text
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for name, g in g_want.items():
         if g is None:
@@ -118,7 +118,7 @@ def test_bonds_as_wide_as_the_heads_or_the_option_off_keep_the_standard_form(cap
     with caplog.at_level(logging.INFO, logger="comera_compile"):
         compile_model(_encoder(rank=64))(ids)  # bond 64 = head width 64: no gain
         compile_model(_encoder(rank=8), absorb_attention=False)(ids)
-    assert "through their TT bonds" not in caplog.text
+    assert "through their rank bonds" not in caplog.text
 
 
 @pytest.mark.slow

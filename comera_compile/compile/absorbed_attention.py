@@ -1,33 +1,38 @@
-"""Attention through the rank bonds: Q, K, V and O projections that are TT layers never
-expand to the model width.
+"""Attention through the rank bonds: Q, K, V and O projections that are TT, low-rank or
+CoLA layers never expand to the model width.
 
 A TT linear whose input cores come before its output cores is ``W = L @ R``: ``L`` merges
 the input cores (``N_in x r``), ``R`` the output cores (``r x N_out``), ``r`` the middle bond.
-When the four projections of a scaled-dot-product attention are such layers, the attention
-can be computed on their ``r``-wide middles (``t = x @ L``), as multi-head latent attention
-absorbs its up-projections:
+A CoLA layer ``silu(x L) diag(g) R`` is linear in ``R`` after its bond activation
+``t = silu(x L) diag(g)``, and linear in ``L`` before it. So when the four projections of a
+scaled-dot-product attention are such layers, the attention can be computed on their
+``r``-wide bond activations (``t = x @ L`` for TT), as multi-head latent attention absorbs its
+up-projections:
 
 * scores: ``Q_h K_h^T = (t_q M_h + c_h) t_k^T`` with ``M_h = s R_q,h R_k,h^T`` (``r x r``)
   and ``c_h = s R_k,h b_q,h``. The key bias adds a constant to each query's row of scores,
   which the softmax cancels exactly, so it is left out (its gradient is exactly zero, as in
   the standard form, up to rounding);
 * values and output: ``concat_h(P_h V_h) L_o = sum_h P_h (t_v N_h) + (P_h 1)(b_v,h L_o,h)``
-  with ``N_h = R_v,h L_o,h`` (``r x r``), then ``@ R_o`` as before.
+  with ``N_h = R_v,h L_o,h`` (``r x r``), then the O layer goes on from its bond as before
+  (``@ R_o`` for TT; CoLA's silu, gate and ``@ R_o``).
 
 Each head's score matmul then contracts ``r`` instead of the head width ``d``, and its value
-matmul produces ``r`` columns instead of ``d``; the model-wide Q, K, V tensors and their head
-layout copies are never made. The rewrite is applied only where it costs less
-(``r_k < d`` and ``r_o < d_v``); the values equal the standard form's up to float
-rounding. It runs on the dynamo graph, before AOT autograd, so backward follows by autograd.
+matmul produces ``r`` columns instead of ``d``; the model-wide Q, K, V tensors, their head
+layout copies and the attention kernel's own passes over them are never made: what is
+removed is their arithmetic and memory traffic (the softmax over the scores stays). The
+rewrite is applied only where it costs less (``r_k < d`` and ``r_o < d_v``); the values
+equal the standard form's up to float rounding. It runs on the dynamo graph, before AOT
+autograd, so backward follows by autograd.
 
 Matched: ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)``
-where ``q``, ``k``, ``v`` are ``tt_linear(x).view(b, t, h, d).transpose(1, 2)`` (the TT layer's
-reshape / bias add / reshape, nothing else in between) and the output goes
-``.transpose(1, 2).reshape(b, t, h * d)`` straight into a TT layer; every intermediate
-tensor used nowhere else. Anything else (grouped-query attention, rotary embeddings
-between projection and attention, a TTM layer) is left as it is.
+where ``q``, ``k``, ``v`` are ``layer(x).view(b, t, h, d).transpose(1, 2)`` (a TT layer's
+reshape / bias add / reshape, or a plain layer's last product ``t @ R`` and bias add,
+nothing else in between) and the output goes ``.transpose(1, 2).reshape(b, t, h * d)``
+straight into a layer of the same kind; every intermediate tensor used nowhere else.
+Anything else (grouped-query attention, rotary embeddings between projection and
+attention, a TTM layer, TT and plain layers mixed) is left as it is.
 """
-
 from __future__ import annotations
 
 import logging
@@ -75,39 +80,34 @@ def _resolve(view: Sequence, rows) -> tuple:
     return b, t, h, d
 
 
-def absorbed_attention(
-    xq: Tensor, xk: Tensor, xv: Tensor,
-    q_cores: list[Tensor], k_cores: list[Tensor], v_cores: list[Tensor], o_cores: list[Tensor],
+def attention_on_bonds(
+    tq: Tensor, tk: Tensor, tv: Tensor, rq: Tensor, rk: Tensor, rv: Tensor, lo: Tensor,
     q_bias: Tensor | None, k_bias: Tensor | None, v_bias: Tensor | None,
-    n_in: tuple[int, int, int, int], q_view: Sequence, k_view: Sequence, v_view: Sequence,
-    o_out_shape: Sequence, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-    is_causal: bool = False, scale: float | None = None,
+    q_view: Sequence, k_view: Sequence, v_view: Sequence, attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+    out_dims: int = 2,
 ) -> Tensor:
-    """The O layer's contraction output (``rows x *out_modes``) of a standard attention whose
-    projections are TT layers, computed through their bonds (module docstring)."""
-    b, tq, h, d = _resolve(q_view, xq.shape[0])
-    tk, dv = _resolve(k_view, xk.shape[0])[1], v_view[3]
+    """``concat_h(attention_h) @ lo`` of a standard attention whose queries, keys and values
+    are ``t @ R + b`` on bond activations ``t`` (``(..., r)``, rows in ``(b, t)`` order),
+    computed without the model-wide Q, K and V (module docstring): ``rows x r_o``, or
+    ``b x t x r_o`` for ``out_dims=3``."""
+    r_q, r_k, r_v, r_o = rq.shape[0], rk.shape[0], rv.shape[0], lo.shape[1]
+    tq, tk, tv = tq.reshape(-1, r_q), tk.reshape(-1, r_k), tv.reshape(-1, r_v)
+    b, t_q, h, d = _resolve(q_view, tq.shape[0])
+    t_k, dv = _resolve(k_view, tk.shape[0])[1], v_view[3]
     s = scale if scale is not None else 1.0 / math.sqrt(d)
-    lq, rq = bond_factors(q_cores, n_in[0])
-    lk, rk = bond_factors(k_cores, n_in[1])
-    lv, rv = bond_factors(v_cores, n_in[2])
-    lo, ro = bond_factors(o_cores, n_in[3])
-    r_q, r_k, r_v, r_o = lq.shape[1], lk.shape[1], lv.shape[1], lo.shape[1]
-    tq_ = xq.reshape(xq.shape[0], -1) @ lq
-    tk_ = xk.reshape(xk.shape[0], -1) @ lk
-    tv_ = xv.reshape(xv.shape[0], -1) @ lv
     rk_h = rk.reshape(r_k, h, d)
     m = torch.einsum("ihd,jhd->ihj", rq.reshape(r_q, h, d), rk_h) * s  # (r_q, h, r_k)
-    q2 = (tq_ @ m.reshape(r_q, h * r_k)).view(b, tq, h, r_k)
+    q2 = (tq @ m.reshape(r_q, h * r_k)).view(b, t_q, h, r_k)
     shift = torch.zeros((), dtype=q2.dtype, device=q2.device)
     if k_bias is not None:  # cancelled by the softmax: an exact zero, so its grad is zeros
         shift = shift + (k_bias.to(q2.dtype) * 0).sum()
     if q_bias is not None:
         shift = shift + torch.einsum("jhd,hd->hj", rk_h, q_bias.to(rk.dtype).view(h, d)) * s
     q2 = q2 + shift
-    scores = q2.transpose(1, 2) @ tk_.view(b, 1, tk, r_k).transpose(-1, -2)  # (b, h, tq, tk)
+    scores = q2.transpose(1, 2) @ tk.view(b, 1, t_k, r_k).transpose(-1, -2)  # (b, h, tq, tk)
     if is_causal:
-        keep = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).tril()
+        keep = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -119,24 +119,55 @@ def absorbed_attention(
         p = F.dropout(p, dropout_p, training=True)
     lo_h = lo.reshape(h, dv, r_o)
     n = torch.einsum("ihd,hdj->ihj", rv.reshape(r_v, h, dv), lo_h)  # (r_v, h, r_o)
-    w = (tv_ @ n.reshape(r_v, h * r_o)).view(b, tk, h, r_o).transpose(1, 2)  # (b, h, tk, r_o)
+    w = (tv @ n.reshape(r_v, h * r_o)).view(b, t_k, h, r_o).transpose(1, 2)  # (b, h, tk, r_o)
     t_o = (p @ w).sum(1)  # (b, tq, r_o)
     if v_bias is not None:
         c_o = torch.einsum("hd,hdj->hj", v_bias.to(lo.dtype).view(h, dv), lo_h)
         t_o = t_o + p.sum(-1).transpose(1, 2) @ c_o  # (b, tq, h) @ (h, r_o)
-    return (t_o.reshape(-1, r_o) @ ro).reshape(o_out_shape)
+    return t_o if out_dims == 3 else t_o.reshape(-1, r_o)
+
+
+def absorbed_attention(
+    xq: Tensor, xk: Tensor, xv: Tensor,
+    q_cores: list[Tensor], k_cores: list[Tensor], v_cores: list[Tensor], o_cores: list[Tensor],
+    q_bias: Tensor | None, k_bias: Tensor | None, v_bias: Tensor | None,
+    n_in: tuple[int, int, int, int], q_view: Sequence, k_view: Sequence, v_view: Sequence,
+    o_out_shape: Sequence, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None,
+) -> Tensor:
+    """The O layer's contraction output (``rows x *out_modes``) of a standard attention whose
+    projections are TT layers, computed through their bonds (module docstring)."""
+    lq, rq = bond_factors(q_cores, n_in[0])
+    lk, rk = bond_factors(k_cores, n_in[1])
+    lv, rv = bond_factors(v_cores, n_in[2])
+    lo, ro = bond_factors(o_cores, n_in[3])
+    t_o = attention_on_bonds(
+        xq.reshape(xq.shape[0], -1) @ lq, xk.reshape(xk.shape[0], -1) @ lk,
+        xv.reshape(xv.shape[0], -1) @ lv, rq, rk, rv, lo, q_bias, k_bias, v_bias,
+        q_view, k_view, v_view, attn_mask, dropout_p, is_causal, scale)
+    return (t_o @ ro).reshape(o_out_shape)
 
 
 @dataclass
 class _Projection:
-    contract: fx.Node  # the comera::tt_contract node
+    """One of Q, K, V: a layer's output ``t @ R (+ bias)`` viewed as heads. ``contract``: a
+    TT layer's contraction node (``t`` and ``R`` come from its input and cores); else
+    ``matmul`` is the layer's last product ``t @ R`` (a CoLA layer's second factor)."""
+
+    contract: fx.Node | None
+    matmul: fx.Node | None
     bias: fx.Node | None  # the bias added to its output
     view: Sequence  # (b, t, h, d) of the head view
-    chain: list[fx.Node]  # the nodes from the contraction to the head layout
+    chain: list[fx.Node]  # the nodes from the layer's output to the head layout
 
 
 def _is_method(node: fx.Node, *names: str) -> bool:
     return node.op == "call_method" and node.target in names
+
+
+def _is_matmul(node: fx.Node | None) -> bool:
+    return (node is not None and node.op == "call_function" and len(node.args) == 2
+            and node.target in (operator.matmul, torch.matmul) and not node.kwargs)
 
 
 def _single_input(node: fx.Node) -> fx.Node | None:
@@ -161,15 +192,32 @@ def _view_shape(node: fx.Node) -> list | None:
     return args if len(args) == 4 else None
 
 
-def _projection(node: fx.Node) -> _Projection | None:
-    """``contract -> reshape -> (+ bias) -> reshape -> [to] -> view(b,t,h,d) -> transpose(1,2)``."""
-    chain = [node]
-    if not (_is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1))):
-        return None
-    node = _single_input(node)
+def _skip_no_ops(node: fx.Node | None, chain: list[fx.Node]) -> fx.Node | None:
     while node is not None and (_is_method(node, "contiguous") or _same_dtype_to(node)):
         chain.append(node)
         node = _single_input(node)
+    return node
+
+
+def _bias_add(node: fx.Node | None, chain: list[fx.Node]) -> tuple[fx.Node | None, object]:
+    """``(y, bias)`` of ``y + bias`` (``bias`` None where ``node`` adds nothing);
+    ``(None, None)`` where the added term is no graph value."""
+    if node is not None and node.op == "call_function" and node.target in (
+            operator.add, torch.add) and len(node.args) == 2 and not node.kwargs:
+        chain.append(node)
+        y, bias = node.args
+        return (y, bias) if isinstance(bias, fx.Node) else (None, None)
+    return node, None
+
+
+def _projection(node: fx.Node) -> _Projection | None:
+    """``layer output -> [+ bias] -> view(b,t,h,d) -> transpose(1,2)``, where the output is
+    a TT contraction's (``contract -> reshape``, the bias between two reshapes) or a plain
+    product ``t @ R`` (the bias a vector over the heads)."""
+    chain = [node]
+    if not (_is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1))):
+        return None
+    node = _skip_no_ops(_single_input(node), chain)
     if node is None or not _is_method(node, "view", "reshape") or _view_shape(node) is None:
         return None
     value = node.meta.get("example_value")
@@ -179,43 +227,48 @@ def _projection(node: fx.Node) -> _Projection | None:
     # length as the graph computes them
     view = [*_view_shape(node)[:2], *(int(n) for n in value.shape[2:])]
     chain.append(node)
-    node = _single_input(node)
-    while node is not None and (_same_dtype_to(node) or _is_method(node, "contiguous")):
+    node = _skip_no_ops(_single_input(node), chain)
+    if node is not None and _is_method(node, "reshape", "view"):  # a TT layer's output
+        chain.append(node)
+        node, bias = _bias_add(_single_input(node), chain)
+        if node is None or not _is_method(node, "reshape", "view"):
+            return None
         chain.append(node)
         node = _single_input(node)
-    if node is None or not _is_method(node, "reshape", "view"):
-        return None
-    chain.append(node)
-    node, bias = _single_input(node), None
-    if node is not None and node.op == "call_function" and node.target in (
-            operator.add, torch.add) and len(node.args) == 2:
-        chain.append(node)
-        node, bias = node.args
-        if not isinstance(bias, fx.Node):
+        if node is None or node.op != "call_function" or node.target is not CONTRACT:
             return None
-    if node is None or not _is_method(node, "reshape", "view"):
+        if node.args[2] not in _BOND_KINDS or any(len(n.users) != 1 for n in [*chain, node]):
+            return None
+        return _Projection(node, None, bias, view, chain)
+    node, bias = _bias_add(node, chain)
+    if not _is_matmul(node) or any(len(n.users) != 1 for n in [*chain, node]):
         return None
-    chain.append(node)
-    node = _single_input(node)
-    if node is None or node.op != "call_function" or node.target is not CONTRACT:
+    t, r = (_shape(n) if isinstance(n, fx.Node) else None for n in node.args)
+    width = value.shape[2] * value.shape[3]
+    bias_shape = _shape(bias) if isinstance(bias, fx.Node) else ()
+    if t is None or r is None or len(r) != 2 or t[-1] != r[0] or r[1] != width or (
+            bias is not None and bias_shape != (width,)):
         return None
-    if node.args[2] not in _BOND_KINDS or any(len(n.users) != 1 for n in [*chain, node]):
-        return None
-    return _Projection(node, bias, view, chain)
+    return _Projection(None, node, bias, view, chain)
 
 
 def _output_projection(sdpa: fx.Node) -> fx.Node | None:
-    """``sdpa -> transpose(1, 2) -> reshape(b, t, c) -> reshape(-1, c) -> reshape(rows,
-    *modes) -> contract``: the O layer's contraction node. Before the transpose, reshapes
-    to the same shape (a no-op some attention wrappers make) are allowed."""
+    """``sdpa -> transpose(1, 2) -> reshape(b, t, c) -> ... -> O layer``: the O layer's
+    contraction node (a TT layer, after ``reshape(rows, *modes)``) or its first product
+    ``x @ L`` (a CoLA layer). Before the transpose, reshapes to the same shape (a no-op some
+    attention wrappers make) are allowed."""
     heads_shape = _shape(sdpa)
     node, steps, transposed = sdpa, 0, False
     while steps <= 8:
         if len(node.users) != 1:
             return None
-        node = next(iter(node.users))
+        previous, node = node, next(iter(node.users))
         if node.op == "call_function" and node.target is CONTRACT:
             return node if transposed and node.args[2] in _BOND_KINDS else None
+        if _is_matmul(node):
+            left = _shape(node.args[1]) if isinstance(node.args[1], fx.Node) else None
+            ok = transposed and node.args[0] is previous and left is not None and len(left) == 2
+            return node if ok else None
         if _is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1)):
             if transposed:
                 return None
@@ -233,57 +286,84 @@ def _shape(node: fx.Node) -> tuple | None:
     return tuple(value.shape) if isinstance(value, Tensor) else None
 
 
-def _cheaper(q: _Projection, k: _Projection, v: _Projection, o: fx.Node) -> bool:
-    """Absorb only when the bonds are narrower than the heads (fewer flops per head)."""
-    def bond(contract: fx.Node) -> int:
-        cores, n_in = contract.args[1], len(contract.args[3])
+def _bond(projection: _Projection | fx.Node, side: str) -> int:
+    """The bond width of a projection's layer: its contraction's middle bond, or the inner
+    size of its plain product (``t @ R``: R's rows; the O layer's ``x @ L``: L's columns)."""
+    node = projection if isinstance(projection, fx.Node) else (
+        projection.contract or projection.matmul)
+    if node.target is CONTRACT:
+        cores, n_in = node.args[1], len(node.args[3])
         value = cores[n_in - 1].meta.get("example_value")
         return int(value.shape[-1]) if value is not None else 1 << 30
+    shape = _shape(node.args[1])
+    return int(shape[0] if side == "in" else shape[1]) if shape else 1 << 30
 
+
+def _cheaper(q: _Projection, k: _Projection, v: _Projection, o: fx.Node) -> bool:
+    """Absorb only when the bonds are narrower than the heads (fewer flops per head)."""
     d, dv = q.view[3], v.view[3]
     if not all(isinstance(x, int) for x in (d, dv, k.view[3], q.view[2], k.view[2], v.view[2])):
         return False
     if not (q.view[2] == k.view[2] == v.view[2] and d == k.view[3]):
         return False
-    return bond(k.contract) < d and bond(o) < dv
+    return _bond(k, "in") < d and _bond(o, "out") < dv
+
+
+def _sdpa_arguments(sdpa: fx.Node) -> dict | None:
+    """The attention's arguments by name; None for a form not absorbed (grouped-query heads,
+    an unknown keyword, or a dropout, causal flag or scale computed in the graph)."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+    args = dict(zip(names, sdpa.args))
+    args.update(sdpa.kwargs)
+    if set(args) - {*names, "enable_gqa"} or args.get("enable_gqa"):
+        return None
+    if any(isinstance(args.get(name), fx.Node) for name in ("dropout_p", "is_causal", "scale")):
+        return None
+    return args
 
 
 def absorb_attention(gm: fx.GraphModule) -> int:
     """Rewrite each matching attention of ``gm`` (module docstring); returns how many."""
     count = 0
     for sdpa in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SDPA]:
-        names = ("attn_mask", "dropout_p", "is_causal", "scale")
-        args = dict(zip(("query", "key", "value", *names), sdpa.args))
-        args.update(sdpa.kwargs)
-        if set(args) - {"query", "key", "value", "enable_gqa", *names} or args.get("enable_gqa"):
+        args = _sdpa_arguments(sdpa)
+        if args is None:
             continue
         q, k, v = (_projection(args[name]) for name in ("query", "key", "value"))
         o = _output_projection(sdpa)
         if None in (q, k, v, o) or not _cheaper(q, k, v, o):
             continue
-        if isinstance(args.get("dropout_p", 0.0), fx.Node) or isinstance(
-                args.get("is_causal", False), fx.Node) or isinstance(args.get("scale"), fx.Node):
+        tt = [p.contract is not None for p in (q, k, v)] + [o.target is CONTRACT]
+        if len(set(tt)) != 1:  # TT and plain layers mixed in one attention: left as it is
             continue
         out_value = o.meta.get("example_value")
-        if out_value is None:
+        if out_value is None or (not tt[0] and out_value.dim() not in (2, 3)):
             continue
+        options = (args.get("attn_mask"), float(args.get("dropout_p", 0.0)),
+                   bool(args.get("is_causal", False)), args.get("scale"))
         with gm.graph.inserting_before(o):
-            rows = gm.graph.call_method("size", (q.contract.args[0], 0))
-            new = gm.graph.call_function(absorbed_attention, (
-                q.contract.args[0], k.contract.args[0], v.contract.args[0],
-                q.contract.args[1], k.contract.args[1], v.contract.args[1], o.args[1],
-                q.bias, k.bias, v.bias,
-                tuple(len(n.args[3]) for n in (q.contract, k.contract, v.contract, o)),
-                tuple(q.view), tuple(k.view), tuple(v.view),
-                (rows, *(int(s) for s in out_value.shape[1:])),
-                args.get("attn_mask"), float(args.get("dropout_p", 0.0)),
-                bool(args.get("is_causal", False)), args.get("scale"),
-            ))
+            if tt[0]:
+                rows = gm.graph.call_method("size", (q.contract.args[0], 0))
+                new = gm.graph.call_function(absorbed_attention, (
+                    q.contract.args[0], k.contract.args[0], v.contract.args[0],
+                    q.contract.args[1], k.contract.args[1], v.contract.args[1], o.args[1],
+                    q.bias, k.bias, v.bias,
+                    tuple(len(n.args[3]) for n in (q.contract, k.contract, v.contract, o)),
+                    tuple(q.view), tuple(k.view), tuple(v.view),
+                    (rows, *(int(s) for s in out_value.shape[1:])), *options,
+                ))
+            else:
+                new = gm.graph.call_function(attention_on_bonds, (
+                    *(p.matmul.args[0] for p in (q, k, v)),
+                    *(p.matmul.args[1] for p in (q, k, v)), o.args[1],
+                    q.bias, k.bias, v.bias, tuple(q.view), tuple(k.view), tuple(v.view),
+                    *options, out_value.dim(),
+                ))
         new.meta.update(o.meta)
         o.replace_all_uses_with(new)
         count += 1
     if count:
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        log.info("comera backend: %d attention(s) computed through their TT bonds", count)
+        log.info("comera backend: %d attention(s) computed through their rank bonds", count)
     return count

@@ -10,7 +10,8 @@ holds one recognisable node per tensorized layer. The backend
 1. finds those nodes (none: one warning per process, then plain inductor);
 2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
    so the plans picked while lowering use them), and computes each scaled-dot-product
-   attention whose Q, K, V and O are TT layers through their rank bonds where the bonds
+   attention whose Q, K, V and O are TT, low-rank or CoLA layers (CoLA's plain matmuls
+   are found by the graph reading a ``cores`` parameter) through their rank bonds where the bonds
    are narrower than the heads (``compile.absorbed_attention``: the model-wide Q, K, V
    are never made and each head's matmuls contract the bond instead of the head width);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
@@ -232,12 +233,13 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     _graphs_compiled += 1
     opts = parse_options(kwargs.get("options"), kwargs.get("mode"))
     nodes = tensorized_nodes(gm)
+    reads_cores = bool(nodes) or _reads_cores(gm)  # CoLA layers are plain matmuls
     if nodes:
         _apply_plan_options(nodes, opts)
         gm.recompile()
-        if opts.absorb_attention:
-            absorb_attention(gm)
-    elif not _reads_cores(gm):  # low-rank and CoLA layers are plain matmuls: no op of ours
+    if reads_cores and opts.absorb_attention:
+        absorb_attention(gm)
+    if not reads_cores:
         _warn_plain()
     _log_start(nodes)
     cpu = not _on_cuda(example_inputs)
