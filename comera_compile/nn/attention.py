@@ -86,8 +86,6 @@ class SplitMultiheadAttention(nn.Module):
             target_type=query.dtype, check_other=False,
         )
         batched = query.dim() == 3
-        if self.batch_first and batched:
-            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         if not batched:
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
             if key_padding_mask is not None:
@@ -98,6 +96,13 @@ class SplitMultiheadAttention(nn.Module):
             attn_mask = None  # the kernel builds the causal mask itself
         else:
             is_causal = False
+        if self.batch_first and batched and not need_weights and self.bias_k is None and (
+                not self.add_zero_attn):
+            out = self._attend_batch_first(query, key, value, key_padding_mask, attn_mask,
+                                           is_causal)
+            return out, None
+        if self.batch_first and batched:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         out, weights = self._attend(query, key, value, key_padding_mask, need_weights,
                                     attn_mask, average_attn_weights, is_causal)
         if not batched:
@@ -131,10 +136,7 @@ class SplitMultiheadAttention(nn.Module):
             if key_padding_mask is not None:
                 key_padding_mask = F.pad(key_padding_mask, (0, 1))
         src_len = k.shape[1]
-        if key_padding_mask is not None:
-            padding = key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1)
-            padding = padding.reshape(bsz * heads, 1, src_len)
-            attn_mask = padding if attn_mask is None else attn_mask + padding
+        attn_mask = self._with_padding(attn_mask, key_padding_mask, bsz, src_len)
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
             scores = (q * math.sqrt(1.0 / head_dim)) @ k.transpose(-2, -1)
@@ -147,17 +149,45 @@ class SplitMultiheadAttention(nn.Module):
             out = self.out_proj(out).view(tgt_len, bsz, -1)
             weights = weights.view(bsz, heads, tgt_len, src_len)
             return out, weights.mean(dim=1) if average_attn_weights else weights
-        if attn_mask is not None:
-            if attn_mask.shape[0] == 1:
-                attn_mask = attn_mask.unsqueeze(0)
-            else:
-                attn_mask = attn_mask.view(bsz, heads, -1, src_len)
+        attn_mask = self._per_head(attn_mask, bsz, src_len)
         q = q.view(bsz, heads, tgt_len, head_dim)
         k = k.view(bsz, heads, src_len, head_dim)
         v = v.view(bsz, heads, src_len, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
         out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, self.embed_dim)
         return self.out_proj(out).view(tgt_len, bsz, -1), None
+
+    def _attend_batch_first(self, query, key, value, key_padding_mask, attn_mask, is_causal):
+        """Batch-first ``(N, L, E)`` inputs without attention weights: each projection's rows
+        stay in ``(batch, position)`` order, viewed as heads as in the common
+        ``q(x).view(b, t, h, d).transpose(1, 2)`` form (no layout copy of the inputs, and the
+        compiled form can compute it through rank bonds: ``compile.absorbed_attention``)."""
+        bsz, tgt_len, _ = query.shape
+        src_len, heads, head_dim = key.shape[1], self.num_heads, self.head_dim
+        q = self.q_proj(query).view(bsz, tgt_len, heads, head_dim).transpose(1, 2)
+        k = self.k_proj(key).view(bsz, src_len, heads, head_dim).transpose(1, 2)
+        v = self.v_proj(value).view(bsz, src_len, heads, head_dim).transpose(1, 2)
+        if attn_mask is not None and attn_mask.dim() == 2:
+            attn_mask = attn_mask.unsqueeze(0)
+        attn_mask = self._with_padding(attn_mask, key_padding_mask, bsz, src_len)
+        attn_mask = self._per_head(attn_mask, bsz, src_len)
+        dropout_p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        return self.out_proj(out.transpose(1, 2).reshape(bsz, tgt_len, self.embed_dim))
+
+    def _with_padding(self, attn_mask, key_padding_mask, bsz: int, src_len: int):
+        """The attention mask (``(N * heads | 1, L, S)``) with the key padding added."""
+        if key_padding_mask is None:
+            return attn_mask
+        padding = key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, self.num_heads, -1, -1)
+        padding = padding.reshape(bsz * self.num_heads, 1, src_len)
+        return padding if attn_mask is None else attn_mask + padding
+
+    def _per_head(self, attn_mask, bsz: int, src_len: int):
+        """The mask laid out for ``(N, heads, L, S)`` scores."""
+        if attn_mask is None or attn_mask.shape[0] == 1:
+            return None if attn_mask is None else attn_mask.unsqueeze(0)
+        return attn_mask.view(bsz, self.num_heads, -1, src_len)
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
