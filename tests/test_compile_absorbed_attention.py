@@ -192,3 +192,32 @@ def test_cola_attention_compiles_through_its_bonds_with_eager_values_and_gradien
             assert a.abs().max() == 0 and b.abs().max() < 1e-5
             continue
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_hugging_face_attention_compiles_through_its_bonds(name, caplog):
+    """GPT-2's fused ``c_attn`` (Q, K, V split from one layer, behind an empty key / value
+    cache) and BERT's separate projections: absorbed, with eager's values and gradients."""
+    pytest.importorskip("transformers")
+    import comera_compile as cc
+    from tests import hf_models
+
+    build, inputs, _ = getattr(hf_models, name)()
+    torch.manual_seed(0)
+    model = cc.optimize(build().eval(), budget=0.1, example_inputs=inputs, compile=False,
+                        format="cola")
+    want = model(**inputs).logits
+    proj = torch.randn(want.shape[-1])
+    params = [p for p in model.parameters() if p.requires_grad]
+    g_want = torch.autograd.grad((want @ proj).square().mean(), params, allow_unused=True)
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        compiled = compile_model(model)
+        got = compiled(**inputs).logits
+    assert "2 attention(s) computed through their rank bonds" in caplog.text
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    g_got = torch.autograd.grad((got @ proj).square().mean(), params, allow_unused=True)
+    scale = max(float(g.abs().max()) for g in g_want if g is not None)
+    for a, b in zip(g_got, g_want):
+        if a is not None and b is not None and b.abs().max() > 1e-4 * scale:
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * scale)

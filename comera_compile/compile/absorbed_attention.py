@@ -159,6 +159,7 @@ class _Projection:
     bias: fx.Node | None  # the bias added to its output
     view: Sequence  # (b, t, h, d) of the head view
     chain: list[fx.Node]  # the nodes from the layer's output to the head layout
+    columns: tuple[int, int] | None = None  # its share of a fused Q/K/V layer's outputs
 
 
 def _is_method(node: fx.Node, *names: str) -> bool:
@@ -168,6 +169,12 @@ def _is_method(node: fx.Node, *names: str) -> bool:
 def _is_matmul(node: fx.Node | None) -> bool:
     return (node is not None and node.op == "call_function" and len(node.args) == 2
             and node.target in (operator.matmul, torch.matmul) and not node.kwargs)
+
+
+def _used_once(node: fx.Node) -> bool:
+    """Whether one node of the graph reads ``node``, besides the graph's output (a key /
+    value cache a model returns keeps its tensors, computed as before, and nothing else)."""
+    return sum(user.op != "output" for user in node.users) == 1
 
 
 def _single_input(node: fx.Node) -> fx.Node | None:
@@ -214,7 +221,9 @@ def _projection(node: fx.Node) -> _Projection | None:
     """``layer output -> [+ bias] -> view(b,t,h,d) -> transpose(1,2)``, where the output is
     a TT contraction's (``contract -> reshape``, the bias between two reshapes) or a plain
     product ``t @ R`` (the bias a vector over the heads)."""
-    chain = [node]
+    chain = []
+    node = _after_empty_cache(node, chain)
+    chain.append(node)
     if not (_is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1))):
         return None
     node = _skip_no_ops(_single_input(node), chain)
@@ -237,19 +246,58 @@ def _projection(node: fx.Node) -> _Projection | None:
         node = _single_input(node)
         if node is None or node.op != "call_function" or node.target is not CONTRACT:
             return None
-        if node.args[2] not in _BOND_KINDS or any(len(n.users) != 1 for n in [*chain, node]):
+        if node.args[2] not in _BOND_KINDS or not all(map(_used_once, [*chain, node])):
             return None
         return _Projection(node, None, bias, view, chain)
+    width = value.shape[2] * value.shape[3]
+    node, columns = _fused_share(node, width, chain)
+    if not all(map(_used_once, chain)):
+        return None
+    fused = columns is not None
     node, bias = _bias_add(node, chain)
-    if not _is_matmul(node) or any(len(n.users) != 1 for n in [*chain, node]):
+    if not _is_matmul(node) or (not fused and not all(map(_used_once, (*chain, node)))):
         return None
     t, r = (_shape(n) if isinstance(n, fx.Node) else None for n in node.args)
-    width = value.shape[2] * value.shape[3]
+    out = columns[1] if fused else width
     bias_shape = _shape(bias) if isinstance(bias, fx.Node) else ()
-    if t is None or r is None or len(r) != 2 or t[-1] != r[0] or r[1] != width or (
-            bias is not None and bias_shape != (width,)):
+    if t is None or r is None or len(r) != 2 or t[-1] != r[0] or r[1] != out or (
+            bias is not None and bias_shape != (out,)):
         return None
-    return _Projection(None, node, bias, view, chain)
+    return _Projection(None, node, bias, view, chain,
+                       (columns[0], columns[0] + width) if fused else None)
+
+
+def _after_empty_cache(node: fx.Node, chain: list[fx.Node]) -> fx.Node:
+    """The head tensor behind ``cat([empty, heads], dim=-2)`` (an empty key / value cache, as
+    Hugging Face models build in training), or ``node`` itself."""
+    if (node.op == "call_function" and node.target is torch.cat and len(node.args) >= 1
+            and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2):
+        empty, heads = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        shape = _shape(empty) if isinstance(empty, fx.Node) else None
+        if isinstance(heads, fx.Node) and dim in (-2, 2) and shape is not None and (
+                math.prod(shape) == 0):
+            chain.append(node)
+            return heads
+    return node
+
+
+def _fused_share(node: fx.Node | None, width: int, chain: list[fx.Node]):
+    """``(y, (start, total))`` where ``node`` is ``y.split(width, dim=-1)[i]`` (a fused Q/K/V
+    layer, as GPT-2's ``c_attn``: this head tensor is columns ``start:start + width`` of
+    ``total``), else ``(node, None)``."""
+    if node is None or node.op != "call_function" or node.target is not operator.getitem:
+        return node, None
+    split, index = node.args
+    if not (isinstance(split, fx.Node) and _is_method(split, "split") and isinstance(index, int)):
+        return node, None
+    size = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size")
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    total = _shape(split.args[0]) if isinstance(split.args[0], fx.Node) else None
+    if size != width or total is None or dim not in (-1, len(total) - 1):
+        return node, None
+    chain.append(node)
+    return split.args[0], (index * width, total[-1])
 
 
 def _output_projection(sdpa: fx.Node) -> fx.Node | None:
@@ -322,6 +370,18 @@ def _sdpa_arguments(sdpa: fx.Node) -> dict | None:
     return args
 
 
+def _share(graph: fx.Graph, p: _Projection) -> tuple[fx.Node, fx.Node | None]:
+    """``(R, bias)`` of a plain projection: its own, or its columns of a fused layer's."""
+    r, bias = p.matmul.args[1], p.bias
+    if p.columns is None:
+        return r, bias
+    columns = slice(*p.columns)
+    r = graph.call_function(operator.getitem, (r, (slice(None), columns)))
+    if bias is not None:
+        bias = graph.call_function(operator.getitem, (bias, columns))
+    return r, bias
+
+
 def absorb_attention(gm: fx.GraphModule) -> int:
     """Rewrite each matching attention of ``gm`` (module docstring); returns how many."""
     count = 0
@@ -353,11 +413,11 @@ def absorb_attention(gm: fx.GraphModule) -> int:
                     (rows, *(int(s) for s in out_value.shape[1:])), *options,
                 ))
             else:
+                shares = [_share(gm.graph, p) for p in (q, k, v)]
                 new = gm.graph.call_function(attention_on_bonds, (
-                    *(p.matmul.args[0] for p in (q, k, v)),
-                    *(p.matmul.args[1] for p in (q, k, v)), o.args[1],
-                    q.bias, k.bias, v.bias, tuple(q.view), tuple(k.view), tuple(v.view),
-                    *options, out_value.dim(),
+                    *(p.matmul.args[0] for p in (q, k, v)), *(r for r, _ in shares),
+                    o.args[1], *(b for _, b in shares),
+                    tuple(q.view), tuple(k.view), tuple(v.view), *options, out_value.dim(),
                 ))
         new.meta.update(o.meta)
         o.replace_all_uses_with(new)
