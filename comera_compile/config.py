@@ -120,8 +120,8 @@ class CompileOptions:
     ``cudagraphs``: run under CUDA Graph trees (None: on when the graph runs on CUDA).
     ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels).
-    ``absorb_attention``: compute attentions whose Q, K, V and O are TT layers through
-    their rank bonds where that costs fewer flops.
+    ``absorb_attention``: compute attentions whose Q, K, V and O are TT, low-rank or CoLA
+    layers through their rank bonds where that costs fewer flops.
     ``inductor_config``: ``torch._inductor.config`` entries to patch while compiling
     (checked against inductor's config when the model is compiled).
     ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,

@@ -167,7 +167,8 @@ class _ColaAttention(torch.nn.Module):
     def forward(self, x):
         b, t, c = x.shape
         h = self.norm(x)
-        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        heads = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(y.transpose(1, 2).reshape(b, t, c))
 

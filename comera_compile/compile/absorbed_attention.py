@@ -52,6 +52,7 @@ from comera_compile.planner.ops import CONTRACT
 log = logging.getLogger("comera_compile")
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+_absorbed = 0  # attentions rewritten in this process (attentions_absorbed)
 _BOND_KINDS = ("tt", "lowrank")
 
 
@@ -382,8 +383,14 @@ def _share(graph: fx.Graph, p: _Projection) -> tuple[fx.Node, fx.Node | None]:
     return r, bias
 
 
+def attentions_absorbed() -> int:
+    """How many attentions this process's compiled graphs compute through their bonds."""
+    return _absorbed
+
+
 def absorb_attention(gm: fx.GraphModule) -> int:
     """Rewrite each matching attention of ``gm`` (module docstring); returns how many."""
+    global _absorbed
     count = 0
     for sdpa in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SDPA]:
         args = _sdpa_arguments(sdpa)
@@ -423,6 +430,7 @@ def absorb_attention(gm: fx.GraphModule) -> int:
         o.replace_all_uses_with(new)
         count += 1
     if count:
+        _absorbed += count
         gm.graph.eliminate_dead_code()
         gm.recompile()
         log.info("comera backend: %d attention(s) computed through their rank bonds", count)

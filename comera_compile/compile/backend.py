@@ -11,9 +11,9 @@ holds one recognisable node per tensorized layer. The backend
 2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
    so the plans picked while lowering use them), and computes each scaled-dot-product
    attention whose Q, K, V and O are TT, low-rank or CoLA layers (CoLA's plain matmuls
-   are found by the graph reading a ``cores`` parameter) through their rank bonds where the bonds
-   are narrower than the heads (``compile.absorbed_attention``: the model-wide Q, K, V
-   are never made and each head's matmuls contract the bond instead of the head width);
+   are found by the graph reading a ``cores`` parameter) through their rank bonds where
+   the bonds are narrower than the heads (``compile.absorbed_attention``: the model-wide
+   Q, K, V are never made and each head's matmuls contract the bond, not the head width);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
    plan's pairwise program for the rows' bucket (a symbolic batch is guarded to the
    region of buckets that one plan serves, so one graph serves every batch size in it),

@@ -49,8 +49,9 @@ class BackendOptions:
     memory), ``"release"`` hands every freed block of 128 KiB or more back to the OS at
     once (the least resident memory, a page fault per page touched). The first compile
     that asks for a mode sets it; a later one asking for another warns and leaves it.
-    ``absorb_attention``: compute attentions whose Q, K, V and O are TT layers through their
-    rank bonds where that costs fewer flops (``compile.absorbed_attention``; default on).
+    ``absorb_attention``: compute attentions whose Q, K, V and O are TT, low-rank or CoLA
+    layers through their rank bonds where that costs fewer flops
+    (``compile.absorbed_attention``; default on).
     ``config``: inductor config patches."""
 
     cudagraphs: bool | None = None
