@@ -222,3 +222,30 @@ def test_hugging_face_attention_compiles_through_its_bonds(name, caplog):
     for a, b in zip(g_got, g_want):
         if a is not None and b is not None and b.abs().max() > 1e-4 * scale:
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * scale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_transformer_encoder_attention_compiles_through_its_bonds(batch_first, caplog):
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 2, 128, dropout=0.0, batch_first=batch_first)
+    dense = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn((3, 10, 64) if batch_first else (10, 3, 64))
+    model = cc.optimize(dense, budget=0.1, example_inputs=(x,), compile=False, format="cola")
+    want = model(x)
+    proj = torch.randn(64)
+    params = list(model.parameters())
+    g_want = torch.autograd.grad((want @ proj).square().mean(), params)
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        got = compile_model(model)(x)
+    assert "2 attention(s) computed through their rank bonds" in caplog.text
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    g_got = torch.autograd.grad((got @ proj).square().mean(), params)
+    names = [n for n, _ in model.named_parameters()]
+    for name, a, b in zip(names, g_got, g_want):
+        if name.endswith("k_proj.bias"):  # the softmax cancels it: exact zero through the bonds
+            assert a.abs().max() == 0 and b.abs().max() < 1e-5
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=name)

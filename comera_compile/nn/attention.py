@@ -31,6 +31,15 @@ def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
     return layer
 
 
+def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequence-first inputs as contiguous batch-first ones (one copy where they are one
+    tensor, as in self-attention)."""
+    q = query.transpose(0, 1).contiguous()
+    k = q if key is query else key.transpose(0, 1).contiguous()
+    v = q if value is query else k if value is key else value.transpose(0, 1).contiguous()
+    return q, k, v
+
+
 class SplitMultiheadAttention(nn.Module):
     """Drop-in for ``nn.MultiheadAttention`` whose projections are separate modules."""
 
@@ -96,11 +105,14 @@ class SplitMultiheadAttention(nn.Module):
             attn_mask = None  # the kernel builds the causal mask itself
         else:
             is_causal = False
-        if self.batch_first and batched and not need_weights and self.bias_k is None and (
-                not self.add_zero_attn):
+        if batched and not need_weights and self.bias_k is None and not self.add_zero_attn:
+            if self.batch_first:
+                return self._attend_batch_first(query, key, value, key_padding_mask,
+                                                attn_mask, is_causal), None
+            query, key, value = _batch_first(query, key, value)
             out = self._attend_batch_first(query, key, value, key_padding_mask, attn_mask,
                                            is_causal)
-            return out, None
+            return out.transpose(0, 1), None
         if self.batch_first and batched:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         out, weights = self._attend(query, key, value, key_padding_mask, need_weights,
@@ -159,9 +171,10 @@ class SplitMultiheadAttention(nn.Module):
 
     def _attend_batch_first(self, query, key, value, key_padding_mask, attn_mask, is_causal):
         """Batch-first ``(N, L, E)`` inputs without attention weights: each projection's rows
-        stay in ``(batch, position)`` order, viewed as heads as in the common
-        ``q(x).view(b, t, h, d).transpose(1, 2)`` form (no layout copy of the inputs, and the
-        compiled form can compute it through rank bonds: ``compile.absorbed_attention``)."""
+        in ``(batch, position)`` order, viewed as heads as in the common
+        ``q(x).view(b, t, h, d).transpose(1, 2)`` form (no layout copies of Q, K and V, and
+        the compiled form can compute it through rank bonds:
+        ``compile.absorbed_attention``)."""
         bsz, tgt_len, _ = query.shape
         src_len, heads, head_dim = key.shape[1], self.num_heads, self.head_dim
         q = self.q_proj(query).view(bsz, tgt_len, heads, head_dim).transpose(1, 2)
