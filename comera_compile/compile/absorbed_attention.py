@@ -47,7 +47,7 @@ from torch import Tensor, fx
 
 from comera_compile.formats.tt import merge_cores
 from comera_compile.nn.tt_linear import merge_right
-from comera_compile.planner.ops import CONTRACT
+from comera_compile.planner.ops import CONTRACT, symbolic_hint
 
 log = logging.getLogger("comera_compile")
 
@@ -261,7 +261,8 @@ def _projection(node: fx.Node) -> _Projection | None:
     t, r = (_shape(n) if isinstance(n, fx.Node) else None for n in node.args)
     out = columns[1] if fused else width
     bias_shape = _shape(bias) if isinstance(bias, fx.Node) else ()
-    if t is None or r is None or len(r) != 2 or t[-1] != r[0] or r[1] != out or (
+    if t is None or r is None or len(r) != 2 or r[1] != out or (
+            symbolic_hint(t[-1]) != symbolic_hint(r[0])) or (
             bias is not None and bias_shape != (out,)):
         return None
     return _Projection(None, node, bias, view, chain,
@@ -337,15 +338,17 @@ def _shape(node: fx.Node) -> tuple | None:
 
 def _bond(projection: _Projection | fx.Node, side: str) -> int:
     """The bond width of a projection's layer: its contraction's middle bond, or the inner
-    size of its plain product (``t @ R``: R's rows; the O layer's ``x @ L``: L's columns)."""
+    size of its plain product (``t @ R``: R's rows; the O layer's ``x @ L``: L's columns).
+    A symbolic rank is read at its traced value without a guard: a rank cut then compiles
+    nothing, and only narrows a bond absorbed as cheaper."""
     node = projection if isinstance(projection, fx.Node) else (
         projection.contract or projection.matmul)
     if node.target is CONTRACT:
         cores, n_in = node.args[1], len(node.args[3])
         value = cores[n_in - 1].meta.get("example_value")
-        return int(value.shape[-1]) if value is not None else 1 << 30
+        return symbolic_hint(value.shape[-1]) if value is not None else 1 << 30
     shape = _shape(node.args[1])
-    return int(shape[0] if side == "in" else shape[1]) if shape else 1 << 30
+    return symbolic_hint(shape[0] if side == "in" else shape[1]) if shape else 1 << 30
 
 
 def _cheaper(q: _Projection, k: _Projection, v: _Projection, o: fx.Node) -> bool:
