@@ -240,9 +240,10 @@ def main() -> None:
             "time in matrix products, attention, activations' arithmetic and the optimizer, "
             "which compiled CPU code runs as eager does (compile.step_bound): the most a "
             "compiled step of the same kernels could gain. 'absorbed': attentions the "
-            "compiled graph computes through their rank bonds (compile.absorbed_attention), "
-            "whose attention kernels and model-wide Q, K, V it leaves out: there a compiled "
-            "step can beat the bound. 'compile s': "
+            "compiled graphs compute through their rank bonds (compile.absorbed_attention; "
+            "counted per graph compiled, so a graph that repeated blocks share counts "
+            "once), whose attention kernels and model-wide Q, K, V they leave out: there a "
+            "compiled step can beat the bound. 'compile s': "
             "the first compiled forward and backward, "
             + ("with inductor's cache as found" if args.warm_cache else
                "from an empty inductor cache") + ".\n\n```\n" + text + "\n```\n")
