@@ -17,10 +17,13 @@ up-projections:
   with ``N_h = R_v,h L_o,h`` (``r x r``), then the O layer goes on from its bond as before
   (``@ R_o`` for TT; CoLA's silu, gate and ``@ R_o``).
 
-Each head's score matmul then contracts ``r`` instead of the head width ``d``, and its value
-matmul produces ``r`` columns instead of ``d``; the model-wide Q, K, V tensors, their head
-layout copies and the attention kernel's own passes over them are never made: what is
-removed is their arithmetic and memory traffic (the softmax over the scores stays). The
+Both run as one call of torch's ``scaled_dot_product_attention`` on ``r``-wide heads
+(queries ``t_q M_h + c_h``, keys ``t_k`` shared by every head, values ``t_v N_h`` plus the
+value bias term, since each query's weights sum to one; scale 1), so torch picks the kernel
+and a flash kernel that takes the shapes never makes the score matrix. Each head's score
+matmul then contracts ``r`` instead of the head width ``d``, and its value matmul produces
+``r`` columns instead of ``d``; the model-wide Q, K, V tensors and their head layout copies
+are never made: what is removed is their arithmetic and memory traffic. The
 rewrite is applied only where it costs less (``r_k < d`` and ``r_o < d_v``); the values
 equal the standard form's up to float rounding. It runs on the dynamo graph, before AOT
 autograd, so backward follows by autograd.
@@ -63,14 +66,6 @@ def bond_factors(cores: Sequence[Tensor], n_in: int) -> tuple[Tensor, Tensor]:
     return merge_cores(cores[:n_in]), merge_right(cores[n_in:])
 
 
-def _safe_softmax(scores: Tensor) -> Tensor:
-    """Softmax over keys, zero for a query whose keys are all masked (as SDPA's math path)."""
-    safe = getattr(torch.ops.aten, "_safe_softmax", None)
-    if safe is not None:
-        return safe.default(scores, -1)
-    return torch.softmax(scores, -1).nan_to_num(0.0)
-
-
 def _resolve(view: Sequence, rows) -> tuple:
     """``(b, t, h, d)`` of a head view, with a ``-1`` batch or length read from the rows."""
     b, t, h, d = view
@@ -105,26 +100,18 @@ def attention_on_bonds(
         shift = shift + (k_bias.to(q2.dtype) * 0).sum()
     if q_bias is not None:
         shift = shift + torch.einsum("jhd,hd->hj", rk_h, q_bias.to(rk.dtype).view(h, d)) * s
-    q2 = q2 + shift
-    scores = q2.transpose(1, 2) @ tk.view(b, 1, t_k, r_k).transpose(-1, -2)  # (b, h, tq, tk)
-    if is_causal:
-        keep = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask
-    p = _safe_softmax(scores)
-    if dropout_p > 0:
-        p = F.dropout(p, dropout_p, training=True)
+    q2 = (q2 + shift).transpose(1, 2)  # (b, h, tq, r_k)
+    keys = tk.view(b, 1, t_k, r_k).expand(b, h, t_k, r_k)
     lo_h = lo.reshape(h, dv, r_o)
     n = torch.einsum("ihd,hdj->ihj", rv.reshape(r_v, h, dv), lo_h)  # (r_v, h, r_o)
     w = (tv @ n.reshape(r_v, h * r_o)).view(b, t_k, h, r_o).transpose(1, 2)  # (b, h, tk, r_o)
-    t_o = (p @ w).sum(1)  # (b, tq, r_o)
-    if v_bias is not None:
+    if v_bias is not None:  # each query's attention weights sum to one (or all are zero)
         c_o = torch.einsum("hd,hdj->hj", v_bias.to(lo.dtype).view(h, dv), lo_h)
-        t_o = t_o + p.sum(-1).transpose(1, 2) @ c_o  # (b, tq, h) @ (h, r_o)
+        w = w + c_o.view(1, h, 1, r_o)
+    # torch's attention on the bond-wide heads (its kernel choice: no score matrix where a
+    # flash kernel takes the shapes); the scale is already in ``m``
+    t_o = F.scaled_dot_product_attention(q2, keys, w, attn_mask, dropout_p, is_causal,
+                                         scale=1.0).sum(1)  # (b, tq, r_o)
     return t_o if out_dims == 3 else t_o.reshape(-1, r_o)
 
 
