@@ -14,30 +14,45 @@ from comera_compile.nn import CoLALinear
 
 
 class _ColaAttention(torch.nn.Module):
-    """Pre-norm self-attention whose Q, K, V and O are CoLA layers (silu on the bond)."""
+    """Pre-norm self-attention whose projections are CoLA layers (silu on the bond): Q, K
+    and V as layers of their own, or one fused layer split as models write it."""
 
-    def __init__(self, width: int, heads: int, rank: int) -> None:
+    def __init__(self, width: int, heads: int, rank: int, qkv: str = "separate") -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.qkv = heads, qkv
         self.norm = torch.nn.LayerNorm(width)
-        self.q, self.k, self.v, self.o = (CoLALinear(width, width, ranks=rank) for _ in range(4))
+        if qkv == "separate":
+            self.q, self.k, self.v = (CoLALinear(width, width, ranks=rank) for _ in range(3))
+        else:
+            self.fused = CoLALinear(width, 3 * width, ranks=rank)
+        self.o = CoLALinear(width, width, ranks=rank)
         with torch.no_grad():
-            for layer in (self.q, self.k, self.v, self.o):
-                layer.bias.normal_()
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_()
 
     def forward(self, x):
         b, t, c = x.shape
         h = self.norm(x)
-        heads = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
-        q, k, v = heads
+        if self.qkv == "separate":
+            q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2)
+                       for p in (self.q, self.k, self.v))
+        elif self.qkv == "unbind":  # timm's vision transformers
+            packed = self.fused(h).reshape(b, t, 3, self.heads, -1)
+            q, k, v = packed.permute(2, 0, 3, 1, 4).unbind(0)
+        else:  # nanoGPT's split, or chunk
+            parts = self.fused(h).split(c, dim=2) if self.qkv == "split" else (
+                self.fused(h).chunk(3, dim=-1))
+            q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in parts)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(y.transpose(1, 2).reshape(b, t, c))
 
 
 @pytest.mark.slow
-def test_cola_attention_compiles_through_its_bonds_with_eager_values_and_gradients(caplog):
+@pytest.mark.parametrize("qkv", ["separate", "split", "chunk", "unbind"])
+def test_cola_attention_compiles_through_its_bonds_with_eager_values_and_gradients(qkv, caplog):
     torch.manual_seed(0)
-    model = _ColaAttention(width=64, heads=2, rank=6)
+    model = _ColaAttention(width=64, heads=2, rank=6, qkv=qkv)
     x = torch.randn(3, 10, 64)
     proj = torch.randn(64)  # a random projection: a LayerNorm'd .sum() has zero gradient
     want = model(x)
@@ -53,6 +68,9 @@ def test_cola_attention_compiles_through_its_bonds_with_eager_values_and_gradien
         if name == "k.bias":  # the softmax cancels it: an exact zero through the bonds
             assert a.abs().max() == 0 and b.abs().max() < 1e-5
             continue
+        if name == "fused.bias":  # its key third is cancelled the same way
+            assert a[64:128].abs().max() == 0 and b[64:128].abs().max() < 1e-5
+            a, b = torch.cat([a[:64], a[128:]]), torch.cat([b[:64], b[128:]])
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 

@@ -31,7 +31,9 @@ autograd, so backward follows by autograd.
 Matched: ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)``
 where ``q``, ``k``, ``v`` are ``layer(x).view(b, t, h, d).transpose(1, 2)`` (a TT layer's
 reshape / bias add / reshape, or a plain layer's last product ``t @ R`` and bias add,
-nothing else in between) and the output goes ``.transpose(1, 2).reshape(b, t, h * d)``
+nothing else in between), or shares of one fused layer's output (``.split`` / ``.chunk``
+before the head view, or ``.reshape(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)``),
+and the output goes ``.transpose(1, 2).reshape(b, t, h * d)``
 straight into a layer of the same kind; every intermediate tensor used nowhere else.
 Anything else (grouped-query attention, rotary embeddings between projection and
 attention, a TTM layer, TT and plain layers mixed) is left as it is.
@@ -55,6 +57,7 @@ from comera_compile.planner.ops import CONTRACT, symbolic_hint
 log = logging.getLogger("comera_compile")
 
 _SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+_SPLITTERS = {torch.split, torch.chunk, torch.unbind}
 _absorbed = 0  # attentions rewritten in this process (attentions_absorbed)
 _BOND_KINDS = ("tt", "lowrank")
 
@@ -211,6 +214,10 @@ def _projection(node: fx.Node) -> _Projection | None:
     product ``t @ R`` (the bias a vector over the heads)."""
     chain = []
     node = _after_empty_cache(node, chain)
+    packed = _packed_share(node)
+    if packed is not None:
+        output, view, columns = packed
+        return _plain_projection(output, view, columns, [*chain, node])
     chain.append(node)
     if not (_is_method(node, "transpose") and tuple(node.args[1:]) in ((1, 2), (2, 1))):
         return None
@@ -237,8 +244,15 @@ def _projection(node: fx.Node) -> _Projection | None:
         if node.args[2] not in _BOND_KINDS or not all(map(_used_once, [*chain, node])):
             return None
         return _Projection(node, None, bias, view, chain)
-    width = value.shape[2] * value.shape[3]
-    node, columns = _fused_share(node, width, chain)
+    node, columns = _fused_share(node, view[2] * view[3], chain)
+    return _plain_projection(node, view, columns, chain)
+
+
+def _plain_projection(node: fx.Node | None, view: list, columns: tuple[int, int] | None,
+                      chain: list[fx.Node]) -> _Projection | None:
+    """The projection whose output ``node`` is ``t @ R [+ bias]`` (``columns``: its share
+    ``(start, total)`` of a fused layer's outputs, None for a layer of its own)."""
+    width = view[2] * view[3]
     if not all(map(_used_once, chain)):
         return None
     fused = columns is not None
@@ -271,22 +285,71 @@ def _after_empty_cache(node: fx.Node, chain: list[fx.Node]) -> fx.Node:
     return node
 
 
-def _fused_share(node: fx.Node | None, width: int, chain: list[fx.Node]):
-    """``(y, (start, total))`` where ``node`` is ``y.split(width, dim=-1)[i]`` (a fused Q/K/V
-    layer, as GPT-2's ``c_attn``: this head tensor is columns ``start:start + width`` of
-    ``total``), else ``(node, None)``."""
+def _item_of(node: fx.Node | None, *names: str) -> tuple[fx.Node, int] | None:
+    """``(call, i)`` where ``node`` is ``call[i]`` and ``call`` is the method or torch
+    function ``names`` (``split``, ``chunk``, ``unbind``)."""
     if node is None or node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    call, index = node.args
+    if not (isinstance(call, fx.Node) and isinstance(index, int) and call.args):
+        return None
+    if _is_method(call, *names) or (call.op == "call_function" and getattr(
+            call.target, "__name__", None) in names and call.target in _SPLITTERS):
+        return call, index
+    return None
+
+
+def _argument(call: fx.Node, position: int, name: str, default: object = None) -> object:
+    return call.args[position] if len(call.args) > position else call.kwargs.get(name, default)
+
+
+def _fused_share(node: fx.Node | None, width: int, chain: list[fx.Node]):
+    """``(y, (start, total))`` where ``node`` is ``y.split(width, dim=-1)[i]`` or
+    ``y.chunk(n, dim=-1)[i]`` (a fused Q/K/V layer, as GPT-2's ``c_attn``: this head tensor
+    is columns ``start:start + width`` of ``total``), else ``(node, None)``."""
+    item = _item_of(node, "split", "chunk")
+    if item is None:
         return node, None
-    split, index = node.args
-    if not (isinstance(split, fx.Node) and _is_method(split, "split") and isinstance(index, int)):
+    call, index = item
+    total = _shape(call.args[0]) if isinstance(call.args[0], fx.Node) else None
+    if total is None:
         return node, None
-    size = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size")
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    total = _shape(split.args[0]) if isinstance(split.args[0], fx.Node) else None
-    if size != width or total is None or dim not in (-1, len(total) - 1):
+    if call.target in ("split", torch.split):
+        size = _argument(call, 1, "split_size_or_sections", call.kwargs.get("split_size"))
+    else:
+        chunks = _argument(call, 1, "chunks")
+        size = total[-1] // chunks if isinstance(chunks, int) and total[-1] % chunks == 0 else 0
+    if size != width or _argument(call, 2, "dim", 0) not in (-1, len(total) - 1):
         return node, None
     chain.append(node)
-    return split.args[0], (index * width, total[-1])
+    return call.args[0], (index * width, total[-1])
+
+
+def _packed_share(node: fx.Node) -> tuple[fx.Node, list, tuple[int, int]] | None:
+    """``(y, (b, t, h, d), (start, total))`` where ``node`` is ``y.reshape(b, t, 3, h, d)
+    .permute(2, 0, 3, 1, 4).unbind(0)[i]`` (a fused Q/K/V layer as timm's vision
+    transformers and many encoders lay it out), else None."""
+    item = _item_of(node, "unbind")
+    if item is None or _argument(item[0], 1, "dim", 0) != 0:
+        return None
+    permute = item[0].args[0]
+    if not (isinstance(permute, fx.Node) and _is_method(permute, "permute")):
+        return None
+    order = permute.args[1:]
+    if len(order) == 1 and isinstance(order[0], (tuple, list)):
+        order = tuple(order[0])
+    reshape = _single_input(permute)
+    if tuple(order) != (2, 0, 3, 1, 4) or reshape is None or not _is_method(
+            reshape, "reshape", "view"):
+        return None
+    value, args = reshape.meta.get("example_value"), list(reshape.args[1:])
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = list(args[0])
+    if value is None or value.dim() != 5 or len(args) != 5 or not isinstance(
+            reshape.args[0], fx.Node):
+        return None
+    parts, h, d = (int(n) for n in value.shape[2:])
+    return reshape.args[0], [*args[:2], h, d], (item[1] * h * d, parts * h * d)
 
 
 def _output_projection(sdpa: fx.Node) -> fx.Node | None:
