@@ -75,17 +75,18 @@ def test_cola_attention_compiles_through_its_bonds_with_eager_values_and_gradien
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_hugging_face_attention_compiles_through_its_bonds(name, caplog):
+@pytest.mark.parametrize("name, budget", [("gpt2", 0.1), ("bert", 0.1), ("vit", 0.3)])
+def test_hugging_face_attention_compiles_through_its_bonds(name, budget, caplog):
     """GPT-2's fused ``c_attn`` (Q, K, V split from one layer, behind an empty key / value
-    cache) and BERT's separate projections: absorbed, with eager's values and gradients."""
+    cache), BERT's and ViT's separate projections: absorbed, with eager's values and
+    gradients."""
     pytest.importorskip("transformers")
     import comera_compile as cc
     from tests import hf_models
 
     build, inputs, _ = getattr(hf_models, name)()
     torch.manual_seed(0)
-    model = cc.optimize(build().eval(), budget=0.1, example_inputs=inputs, compile=False,
+    model = cc.optimize(build().eval(), budget=budget, example_inputs=inputs, compile=False,
                         format="cola")
     want = model(**inputs).logits
     proj = torch.randn(want.shape[-1])
