@@ -151,3 +151,29 @@ def test_cross_attention_with_another_key_length():
         (3, 7, 2, 32), (-1, 5, 2, 32), (3, 5, 2, 32), (21, 4, 4, 4))
     torch.testing.assert_close(got.reshape(3, 7, 64) + o.bias, want, rtol=1e-4, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("r_q, r_k, r_v, r_o", [(4, 5, 6, 9), (7, 9, 3, 5)])
+def test_attention_on_bonds_equals_the_standard_form_for_unequal_bonds(r_q, r_k, r_v, r_o):
+    """Bonds of different widths (the narrower heads are zero-padded for torch's kernel)."""
+    from comera_compile.compile.absorbed_attention import attention_on_bonds
+
+    torch.manual_seed(0)
+    b, t, h, d = 2, 6, 2, 8
+    c = h * d
+    tq, tk, tv = (torch.randn(b, t, r, requires_grad=True) for r in (r_q, r_k, r_v))
+    rq, rk, rv = (torch.randn(r, c, requires_grad=True) for r in (r_q, r_k, r_v))
+    lo = torch.randn(c, r_o, requires_grad=True)
+    bq, bk, bv = (torch.randn(c, requires_grad=True) for _ in range(3))
+    heads = lambda y: y.view(b, t, h, d).transpose(1, 2)  # noqa: E731
+    y = F.scaled_dot_product_attention(heads(tq @ rq + bq), heads(tk @ rk + bk),
+                                       heads(tv @ rv + bv), is_causal=True)
+    want = y.transpose(1, 2).reshape(b, t, c) @ lo
+    view = (b, t, h, d)
+    got = attention_on_bonds(tq, tk, tv, rq, rk, rv, lo, bq, bk, bv, view, view, view,
+                             is_causal=True, out_dims=3)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    weights = [tq, tk, tv, rq, rk, rv, lo, bq, bv]
+    dy = torch.randn_like(want)
+    for a, e in zip(torch.autograd.grad(got, weights, dy), torch.autograd.grad(want, weights, dy)):
+        torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-4)

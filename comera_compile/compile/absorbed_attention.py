@@ -104,7 +104,7 @@ def attention_on_bonds(
     if q_bias is not None:
         shift = shift + torch.einsum("jhd,hd->hj", rk_h, q_bias.to(rk.dtype).view(h, d)) * s
     q2 = (q2 + shift).transpose(1, 2)  # (b, h, tq, r_k)
-    keys = tk.view(b, 1, t_k, r_k).expand(b, h, t_k, r_k)
+    keys = tk.view(b, 1, t_k, r_k)
     lo_h = lo.reshape(h, dv, r_o)
     n = torch.einsum("ihd,hdj->ihj", rv.reshape(r_v, h, dv), lo_h)  # (r_v, h, r_o)
     w = (tv @ n.reshape(r_v, h * r_o)).view(b, t_k, h, r_o).transpose(1, 2)  # (b, h, tk, r_o)
@@ -112,9 +112,16 @@ def attention_on_bonds(
         c_o = torch.einsum("hd,hdj->hj", v_bias.to(lo.dtype).view(h, dv), lo_h)
         w = w + c_o.view(1, h, 1, r_o)
     # torch's attention on the bond-wide heads (its kernel choice: no score matrix where a
-    # flash kernel takes the shapes); the scale is already in ``m``
-    t_o = F.scaled_dot_product_attention(q2, keys, w, attn_mask, dropout_p, is_causal,
-                                         scale=1.0).sum(1)  # (b, tq, r_o)
+    # flash kernel takes the shapes, which asks one width of queries, keys and values:
+    # zero columns pad the narrower, exactly); the scale is already in ``m``
+    width = max(r_k, r_o)
+    if r_k != width:
+        q2, keys = F.pad(q2, (0, width - r_k)), F.pad(keys, (0, width - r_k))
+    if r_o != width:
+        w = F.pad(w, (0, width - r_o))
+    heads = F.scaled_dot_product_attention(q2, keys.expand(b, h, t_k, width), w, attn_mask,
+                                           dropout_p, is_causal, scale=1.0)
+    t_o = heads[..., :r_o].sum(1)  # (b, tq, r_o)
     return t_o if out_dims == 3 else t_o.reshape(-1, r_o)
 
 
