@@ -9,6 +9,7 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.compile import compile_model
+from comera_compile.compile.absorbed_attention import attentions_absorbed
 from comera_compile.compile.backend import graphs_compiled
 from comera_compile.compile.blocks import (
     _without_training_cache,
@@ -251,8 +252,10 @@ def test_torch_encoder_blocks_keep_symbolic_ranks_through_a_cut():
     eager = cc.optimize(encoder, budget=0.3, example_inputs=(x,), compile=False).eval()
     model = copy.deepcopy(eager)
     compile_model(model, inplace=True, symbolic_ranks=True)
+    absorbed = attentions_absorbed()
     with torch.no_grad():
         assert torch.allclose(model(x), eager(x), rtol=1e-5, atol=1e-6)
+        assert attentions_absorbed() > absorbed  # bonds of 9 < heads of 16, symbolic
         _prune_first_bonds(model, keep=2)
         _prune_first_bonds(eager, keep=2)
         before = graphs_compiled()

@@ -113,11 +113,13 @@ def attention_on_bonds(
         w = w + c_o.view(1, h, 1, r_o)
     # torch's attention on the bond-wide heads (its kernel choice: no score matrix where a
     # flash kernel takes the shapes, which asks one width of queries, keys and values:
-    # zero columns pad the narrower, exactly); the scale is already in ``m``
-    width = max(r_k, r_o)
-    if r_k != width:
+    # zero columns pad the narrower, exactly); the scale is already in ``m``. Symbolic
+    # ranks are padded by a symbolic amount, not compared: a rank cut adds no guard.
+    width = torch.sym_max(r_k, r_o)
+    symbolic = not isinstance(width, int)
+    if symbolic or r_k != width:
         q2, keys = F.pad(q2, (0, width - r_k)), F.pad(keys, (0, width - r_k))
-    if r_o != width:
+    if symbolic or r_o != width:
         w = F.pad(w, (0, width - r_o))
     heads = F.scaled_dot_product_attention(q2, keys.expand(b, h, t_k, width), w, attn_mask,
                                            dropout_p, is_causal, scale=1.0)
