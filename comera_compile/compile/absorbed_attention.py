@@ -116,6 +116,8 @@ def attention_on_bonds(
     # zero columns pad the narrower, exactly); the scale is already in ``m``. Symbolic
     # ranks are padded by a symbolic amount, not compared: a rank cut adds no guard.
     width = torch.sym_max(r_k, r_o)
+    if q2.is_cuda:  # CUDA's flash and memory-efficient kernels take head widths in 8s
+        width = (width + 7) // 8 * 8
     symbolic = not isinstance(width, int)
     if symbolic or r_k != width:
         q2, keys = F.pad(q2, (0, width - r_k)), F.pad(keys, (0, width - r_k))
