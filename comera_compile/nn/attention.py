@@ -198,8 +198,10 @@ class SplitMultiheadAttention(nn.Module):
 
     def _per_head(self, attn_mask, bsz: int, src_len: int):
         """The mask laid out for ``(N, heads, L, S)`` scores."""
-        if attn_mask is None or attn_mask.shape[0] == 1:
-            return None if attn_mask is None else attn_mask.unsqueeze(0)
+        if attn_mask is None:
+            return None
+        if attn_mask.shape[0] == 1:  # one mask for every batch row and head
+            return attn_mask.unsqueeze(0)
         return attn_mask.view(bsz, self.num_heads, -1, src_len)
 
     def extra_repr(self) -> str:
