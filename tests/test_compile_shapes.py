@@ -217,3 +217,37 @@ def test_in_place_compile_of_a_torch_module_is_one_graph_not_one_per_layer():
         x = torch.randn(batch, 8, 64)
         torch.testing.assert_close(model(x), eager(x), rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 2  # batch 2 static, then one symbolic
+
+
+
+@pytest.mark.slow
+def test_hugging_face_t5_with_a_tt_embedding_trains_compiled_across_batch_sizes():
+    """T5's shared embedding (a TT table read by encoder and decoder, tied to the head): a
+    second batch size compiles a dynamic graph whose backward must bind the batch (an index
+    of the ids' count, saved for backward, once left it unbound and inductor failed)."""
+    tf = pytest.importorskip("transformers")
+    import comera_compile as api
+    from comera_compile.nn import TTEmbedding
+
+    torch.manual_seed(0)
+    dense = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0))
+
+    def batch(size):
+        ids = torch.randint(0, 128, (size, 12))
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :6]}
+
+    model = api.optimize(dense.train(), budget=0.1, example_inputs=batch(2), compile=False)
+    assert isinstance(model.get_submodule("shared"), TTEmbedding)
+    compiled = torch.compile(copy.deepcopy(model), backend="comera")
+    for size in (2, 3):  # the second compiles the dynamic graph
+        inputs = batch(size)
+        want = model(**inputs).logits
+        got = compiled(**inputs).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        proj = torch.randn(want.shape[-1])
+        g_want = torch.autograd.grad((want @ proj).square().mean(), list(model.parameters()))
+        g_got = torch.autograd.grad((got @ proj).square().mean(), list(compiled.parameters()))
+        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

@@ -79,8 +79,11 @@ def test_embedding_rows_match_table(dedup, padding_idx):
     ids = torch.randint(0, 1000, (7, 9))
     ids[0, :4] = 3  # repeats (and padding when padding_idx == 3)
     torch.testing.assert_close(layer(ids), table[ids], rtol=1e-10, atol=1e-10)
-    if padding_idx is not None:
-        assert layer(torch.tensor([3])).abs().max() == 0
+    if padding_idx is not None:  # padding reads zeros and trains nothing
+        rows = layer(torch.tensor([3, 3]))
+        assert rows.abs().max() == 0
+        rows.sum().backward()
+        assert all(p.grad is None or p.grad.abs().max() == 0 for p in layer.parameters())
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])

@@ -157,8 +157,16 @@ class TTEmbedding(TensorizedLayer):
             # than scattering every id's gradient into the few rows of the first core
             ids, index = torch.arange(self.num_embeddings, device=flat.device), flat
         else:
-            ids, index = flat, torch.arange(flat.numel(), device=flat.device)
+            ids, index = flat, None  # each id's own row, in order
         table = self.lookup(ids).to(self.cores[0].dtype)  # as nn.Embedding, even in autocast
+        if index is None and self.mode is None:
+            # the rows are the output: no gather, and no index of the ids' count, whose size
+            # a compiled backward with a dynamic batch could not bind (Hugging Face T5)
+            if self.padding_idx is not None:  # padding reads zeros and passes no gradient
+                table = table.masked_fill((flat == self.padding_idx).unsqueeze(-1), 0)
+            return table.reshape(*input.shape, self.embedding_dim)
+        if index is None:
+            index = torch.arange(flat.numel(), device=flat.device)
         padding = None
         if self.padding_idx is not None:  # point padding positions at an extra zero row
             padding = table.shape[0]
