@@ -87,6 +87,23 @@ def test_a_new_batch_shape_measures_again():
     assert race.periods == {COMPILED: [], EAGER: []}
 
 
+def test_a_compiler_failure_leaves_the_run_eager_and_says_why(caplog):
+    model = Sleeper(0.0)
+
+    def compiled(x):
+        raise torch._dynamo.exc.BackendCompilerFailed(
+            "comera", RuntimeError("AssertionError: For 16*s20, expected [s20]"), None)
+
+    model._compiled_call_impl = MeasuredCompile(model, compiled, trials=3, wait_s=0.0)
+    x = torch.randn(2, 4)
+    for _ in range(CALLS + 2):  # the race's first compiled call fails; the run goes on
+        torch.testing.assert_close(model(x), model.lin(x))
+    impl = model._compiled_call_impl
+    assert impl.races["training"].choice == EAGER and not is_compiled(model)
+    assert impl.describe().startswith("eager: compiling failed (BackendCompilerFailed")
+    assert "runs eager from now on" in caplog.text
+
+
 @pytest.mark.slow
 def test_optimize_default_compiles_measured_and_matches_eager():
     torch.manual_seed(0)

@@ -36,6 +36,7 @@ to its compile stays eager.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ from comera_compile.compile.blocks import shared_blocks, why_not_blocks
 from comera_compile.compile.rank_dims import SymbolicRanks, symbolic_layers
 from comera_compile.compile.step_bound import StepProfile, speedup_bound
 from comera_compile.nn import TensorizedLayer
+
+log = logging.getLogger("comera_compile")
 
 COMPILED, EAGER = "compiled", "eager"
 TRAINING, INFERENCE = "training", "inference"
@@ -235,7 +238,14 @@ class MeasuredCompile:
                 self._eager_training_call(time.perf_counter())  # a known horizon's bound
         if mode == COMPILED:
             self.has_compiled = self.has_compiled or training
-            return self.compiled_form(*args, **kwargs)
+            try:
+                return self.compiled_form(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as error:  # inductor's among them
+                # the compiler failed on this graph, before any of it ran: the default
+                # must not stop a run that eager trains, so it goes on eager and says why
+                first = str(error).strip().splitlines()[-1][:200]
+                self.run_eager(f"compiling failed ({type(error).__name__}: {first})")
+                log.warning("compiling failed; the model runs eager from now on: %s", first)
         return self.model._call_impl(*args, **kwargs)
 
     @property
