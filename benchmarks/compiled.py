@@ -19,8 +19,14 @@ a pre-norm SDPA encoder written here without dropout (4 x 512, 8 heads), and Hug
 Face's LLaMA (rotary, grouped-query heads, SwiGLU) and GPT-2 (fused QKV ``c_attn``) from
 configs, all at batch 8 x 128, AdamW. Results go to ``benchmarks/results/compiled.md``.
 
+``--models shapes`` runs other shapes instead, so that no gain rests on one model's: torch's
+encoder sequence-first (4 x 256, 4 heads), pre-norm with GELU (3 x 512, 8 heads) and with
+heads 32 wide (2 x 384, 12 heads), and a causal block with one fused Q/K/V layer chunked in
+three (3 x 384, 6 heads); ``--budget none`` takes ``optimize``'s own default.
+
     python benchmarks/compiled.py                      # every model
     python benchmarks/compiled.py --models encoder,llama --steps 6
+    python benchmarks/compiled.py --models shapes --budget none --results-name compiled_shapes
 """
 
 from __future__ import annotations
@@ -70,9 +76,31 @@ def sdpa_encoder(width: int = 512, heads: int = 8, layers: int = 4) -> nn.Module
     return nn.Sequential(*(SdpaBlock(width, heads) for _ in range(layers)))
 
 
-def torch_encoder() -> nn.Module:
-    layer = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, batch_first=True)
-    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+class CausalFusedBlock(nn.Module):
+    """A pre-norm causal block whose Q, K and V come from one layer, chunked (nanoGPT's
+    layout), without biases on it, ReLU in the FFN."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.o = nn.Linear(width, 3 * width, bias=False), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        split = lambda y: y.view(b, t, self.heads, w // self.heads).transpose(1, 2)  # noqa: E731
+        a = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, w))
+        return x + self.down(F.relu(self.up(self.norm2(x))))
+
+
+def torch_encoder(width: int = 768, heads: int = 12, layers: int = 2, batch_first: bool = True,
+                  **options) -> nn.Module:
+    layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                       batch_first=batch_first, **options)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
 
 def hf_model(kind: str) -> nn.Module:
@@ -96,6 +124,15 @@ MODELS = {  # name: (builder, input width; None: byte tokens)
     "llama": (lambda: hf_model("llama"), None),
     "gpt2": (lambda: hf_model("gpt2"), None),
 }
+SHAPES = {  # other shapes and layouts (--models shapes)
+    "encoder-seq-first": (lambda: torch_encoder(256, 4, 4, batch_first=False), 256),
+    "encoder-pre-norm-gelu": (
+        lambda: torch_encoder(512, 8, 3, norm_first=True, activation="gelu"), 512),
+    "encoder-heads-32": (lambda: torch_encoder(384, 12, 2), 384),
+    "causal-fused-qkv": (lambda: nn.Sequential(*(CausalFusedBlock(384, 6) for _ in range(3))),
+                         384),
+}
+SEQUENCE_FIRST = {"encoder-seq-first"}  # inputs (sequence, batch, width)
 
 
 def output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -123,11 +160,13 @@ def gradient_difference(a: nn.Module, b: nn.Module) -> float:
 
 
 def measure(name: str, args) -> dict:
-    build, width = MODELS[name]
+    build, width = {**MODELS, **SHAPES}[name]
     torch.manual_seed(0)
     dense = build().train().to(args.device)
     if width is None:
         x = torch.randint(0, 256, (args.batch, args.seq))
+    elif name in SEQUENCE_FIRST:
+        x = torch.randn(args.seq, args.batch, width)
     else:
         x = torch.randn(args.batch, args.seq, width)
     x = x.to(args.device)
@@ -200,7 +239,8 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--budget", type=float, default=0.05)
+    p.add_argument("--budget", type=lambda v: None if v == "none" else float(v), default=0.05,
+                   help="optimize's budget, or 'none' for its default")
     p.add_argument("--steps", type=int, default=5, help="alternating steady steps per form")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA Graphs on by default)")
@@ -213,7 +253,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for name in args.models.split(","):
+    names = list(SHAPES) if args.models == "shapes" else args.models.split(",")
+    for name in names:
         with contextlib.ExitStack() as stack:
             if not args.warm_cache:  # compile from scratch, as in a new environment
                 stack.enter_context(fresh_cache())
