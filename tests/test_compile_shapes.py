@@ -231,7 +231,7 @@ def test_hugging_face_t5_with_a_tt_embedding_trains_compiled_across_batch_sizes(
 
     torch.manual_seed(0)
     dense = tf.T5ForConditionalGeneration(tf.T5Config(
-        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
         dropout_rate=0.0, decoder_start_token_id=0))
 
     def batch(size):
