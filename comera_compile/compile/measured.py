@@ -241,8 +241,10 @@ class MeasuredCompile:
             try:
                 return self.compiled_form(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed as error:  # inductor's among them
-                # the compiler failed on this graph, before any of it ran: the default
-                # must not stop a run that eager trains, so it goes on eager and says why
+                # the compiler failed on a graph of this call (nothing of that graph ran;
+                # graphs before it in the call may have, so their buffer updates, e.g.
+                # BatchNorm's statistics, happen once more): the default must not stop a
+                # run that eager trains, so this call and every later one run eager
                 first = str(error).strip().splitlines()[-1][:200]
                 self.run_eager(f"compiling failed ({type(error).__name__}: {first})")
                 log.warning("compiling failed; the model runs eager from now on: %s", first)
