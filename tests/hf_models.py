@@ -21,8 +21,8 @@ def _text(cls, config_cls, **config):
     return build, {"input_ids": x}, lambda logits: logits.float().square().mean()
 
 
-def bert():
-    return _text(tf.BertForMaskedLM, tf.BertConfig, hidden_size=64, num_hidden_layers=2,
+def bert(layers: int = 2):
+    return _text(tf.BertForMaskedLM, tf.BertConfig, hidden_size=64, num_hidden_layers=layers,
                  num_attention_heads=2, intermediate_size=256, max_position_embeddings=64)
 
 
@@ -32,8 +32,8 @@ def roberta():
                  pad_token_id=1)
 
 
-def gpt2():
-    return _text(tf.GPT2LMHeadModel, tf.GPT2Config, n_embd=64, n_layer=2, n_head=2,
+def gpt2(layers: int = 2):
+    return _text(tf.GPT2LMHeadModel, tf.GPT2Config, n_embd=64, n_layer=layers, n_head=2,
                  n_positions=64, bos_token_id=0, eos_token_id=0)
 
 

@@ -77,6 +77,18 @@ def test_matmuls_that_are_not_bond_thin_and_dense_are_not_timed(timings, fn, a, 
     assert asked == []
 
 
+def test_deterministic_algorithms_keep_every_matmul_as_written(timings):
+    asked, _ = timings
+    gm = _traced(lambda a, b: a @ b, torch.randn(1024, 384), torch.randn(384, 9))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert orientation.orient_thin_matmuls(gm.graph) == 0
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert asked == [] and orientation.orient_thin_matmuls(gm.graph) == 1
+
+
 def test_a_matmul_timed_slower_turned_is_left_as_written(timings):
     asked, answer = timings
     answer["seconds"] = (1.0, 4.0)

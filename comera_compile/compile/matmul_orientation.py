@@ -11,7 +11,9 @@ weight gradients 32 to 64 thin only) misses most of it. So the pass times both f
 each such matmul on this machine while the graph compiles, and turns those that run at
 least ``MIN_GAIN`` faster. Each operand layout is timed once per process; its operands
 rotate through copies larger than a core's cache, as they come from memory in a step. A
-turned matmul returns the same values up to float rounding (another summation order).
+turned matmul returns the same values up to float rounding (another summation order), so
+two runs may round differently; under ``torch.use_deterministic_algorithms(True)`` nothing
+is timed or turned.
 
 :func:`orient_thin_matmuls` is the pass (the backend runs it on CPU graphs after autograd,
 so backward matmuls are chosen too); :func:`faster_turned` is the measured choice.
@@ -39,7 +41,7 @@ run near the library's peak either way, and timing them costs more."""
 MIN_GAIN = 1.15
 """The turned form must be this much faster to be used: a closer call is timing noise."""
 
-ROUNDS = 5  # each form timed this many times, alternating; the fastest of each counts
+ROUNDS = 3  # each form timed this many times, alternating; the fastest of each counts
 CACHE_BYTES = 8 << 20  # operand copies rotate through at least this much memory
 
 Layout = tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int],
@@ -49,7 +51,10 @@ _choices: dict[Layout, bool] = {}
 
 def orient_thin_matmuls(graph: fx.Graph) -> int:
     """Rewrite each bond-thin ``mm(a, b)`` that runs faster here as ``mm(b.T, a.T).T``;
-    returns how many were rewritten."""
+    returns how many were rewritten (none under deterministic algorithms: timed choices
+    can differ between runs)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return 0
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.mm.default:
