@@ -10,9 +10,10 @@
 3. Inductor's generated CPU loops against aten's kernels for the same math on a
    4096 x 3072 activation: GELU, GELU backward, and a sum over rows (a bias gradient);
    and inductor with ``compile.reductions``' row sums in blocks (the backend's CPU pass).
-4. Matmul orientation: the four products of a low-rank layer (forward, the two factors'
-   gradients, the input's) as written and as their transposed problem, timed as
-   ``compile.matmul_orientation`` times them while a graph compiles, and its choice.
+4. Matmul orientation: a thin weight gradient ``h.T @ dy`` (``h`` of 4096 x rank) as
+   written and as its transposed problem ``(dy.T @ h).T`` (``compile.matmul_orientation``);
+   each over eight operand pairs in turn, so the operands come from memory as in a step;
+   one float64 row (dgemm, which the backend leaves as written).
 5. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
    six-encoder layer allocates at batch 32 x 128) with freed blocks released at once,
    which maps each such block anew, with ``compile.host_memory`` reuse (glibc's heap) and
@@ -130,26 +131,25 @@ def inductor_rows(repeats: int) -> list[list[str]]:
 
 
 def orientation_rows(repeats: int) -> list[list[str]]:
-    """The four products of a low-rank layer ``x -> (x U) V`` (rows x width, bond r), each
-    as written and turned, timed as the backend's pass times them, and its rule on them."""
-    from comera_compile.compile.matmul_orientation import MIN_GAIN, time_both_forms
+    from comera_compile.compile.matmul_orientation import worth_turning
 
     rows = []
-    for rank, width, dtype in [(9, 384, torch.float32), (14, 1024, torch.float32),
-                               (32, 768, torch.float32), (48, 768, torch.float32),
-                               (9, 384, torch.float64)]:
-        products = {  # name: (a shape, a stride, b shape, b stride)
-            "x @ U": ((ROWS, width), (width, 1), (width, rank), (rank, 1)),
-            "x.T @ dh (dU)": ((width, ROWS), (1, width), (ROWS, rank), (rank, 1)),
-            "h.T @ dy (dV)": ((rank, ROWS), (1, rank), (ROWS, width), (width, 1)),
-            "dh @ U.T (dx)": ((ROWS, rank), (rank, 1), (rank, width), (1, rank)),
-        }
-        for name, layout in products.items():
-            written, turned = time_both_forms(*layout, dtype)
-            rows.append([f"{name}, r {rank}, width {width}", str(dtype).removeprefix("torch."),
-                         f"{written * 1e3:.3f}", f"{turned * 1e3:.3f}",
-                         f"{written / turned:.2f}x",
-                         "yes" if written >= MIN_GAIN * turned else "no"])
+    shapes = [(9, 768, torch.float32), (14, 1024, torch.float32), (20, 2048, torch.float32),
+              (16, 768, torch.float32), (32, 768, torch.float32), (32, 1536, torch.float32),
+              (32, 3072, torch.float32), (64, 768, torch.float32), (32, 768, torch.float64)]
+    for rank, width, dtype in shapes:
+        pairs = [(torch.randn(ROWS, rank, dtype=dtype), torch.randn(ROWS, width, dtype=dtype))
+                 for _ in range(8)]
+
+        def each(fn, pairs=pairs):
+            return lambda: [fn(h, dy) for h, dy in pairs]
+
+        written = median_seconds(each(lambda h, dy: h.T @ dy), repeats) / len(pairs)
+        turned = median_seconds(each(lambda h, dy: (dy.T @ h).T), repeats) / len(pairs)
+        turns = dtype == torch.float32 and worth_turning(rank, ROWS, width)  # the pass's test
+        rows.append([f"{rank} x {ROWS} x {width}", str(dtype).removeprefix("torch."),
+                     f"{written * 1e3:.2f}", f"{turned * 1e3:.2f}", f"{written / turned:.2f}x",
+                     "yes" if turns else "no"])
     return rows
 
 
@@ -192,9 +192,9 @@ def main() -> None:
                 ["chain", "rank", "as is", "padded", "speed-up", "padded by default"]))
     print("\nsgemm alone:")
     print(table(gflops_rows(args.repeats), ["product", "GFLOP/s"]))
-    print(f"\na low-rank layer's matmuls at {ROWS} rows, as written and turned (ms, fastest):")
+    print("\nthin weight gradient h.T @ dy, as written and transposed (ms, median):")
     print(table(orientation_rows(args.repeats),
-                ["product", "dtype", "a @ b", "(b.T @ a.T).T", "turned faster by",
+                ["m x k x n", "dtype", "h.T @ dy", "(dy.T @ h).T", "speed-up",
                  "turned by the backend"]))
     print(f"\naten vs inductor on a {ROWS} x 3072 activation (ms, median; host memory reused):")
     set_host_memory("reuse")

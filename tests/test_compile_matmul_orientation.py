@@ -1,4 +1,4 @@
-"""Bond-thin matmuls in the orientation timed faster (compile.matmul_orientation)."""
+"""Thin weight-gradient matmuls as their transposed problem (compile.matmul_orientation)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from models import assert_compiled_gradients_match_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import comera_compile.compile.matmul_orientation as orientation
-from comera_compile.nn import CoLALinear, LowRankLinear, TTLinear
+from comera_compile.nn import TTLinear
 
 aten = torch.ops.aten
 
@@ -19,100 +19,45 @@ def _mm_shapes(gm):
     return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target is aten.mm.default]
 
 
-@pytest.fixture
-def timings(monkeypatch):
-    """Replace the timing with given (written, turned) seconds; record what was timed."""
-    asked, answer = [], {"seconds": (2.0, 1.0)}
-
-    def fake_timing(*layout):
-        asked.append(layout)
-        return answer["seconds"]
-
-    monkeypatch.setattr(orientation, "_choices", {})
-    monkeypatch.setattr(orientation, "time_both_forms", fake_timing)
-    return asked, answer
-
-
-@pytest.mark.parametrize("fn, a, b", [
-    (lambda a, b: a @ b, torch.randn(1024, 384), torch.randn(384, 9)),  # x @ U
-    (lambda a, b: a.t() @ b, torch.randn(1024, 384), torch.randn(1024, 9)),  # dU = x.T @ dh
-    (lambda a, b: a.t() @ b, torch.randn(1024, 14), torch.randn(1024, 768)),  # dV = h.T @ dy
-    (lambda a, b: a @ b.t(), torch.randn(1024, 9), torch.randn(384, 9)),  # dx = dh @ U.T
-])
-def test_a_matmul_timed_faster_turned_is_rewritten_with_the_same_values(timings, fn, a, b):
-    asked, _ = timings
-    gm = _traced(fn, a, b)
-    expected_shape = tuple(fn(a, b).shape)
+@pytest.mark.parametrize("m, k, n", [(32, 2048, 256), (48, 2048, 768), (64, 4096, 300)])
+def test_thin_weight_gradient_is_computed_transposed_with_the_same_values(m, k, n):
+    h, dy = torch.randn(k, m), torch.randn(k, n)  # float32: the only dtype it turns
+    gm = _traced(lambda a, b: a.t() @ b, h, dy)
     assert orientation.orient_thin_matmuls(gm.graph) == 1
     gm.recompile()
-    assert _mm_shapes(gm) == [expected_shape[::-1]]  # the transposed problem
-    assert len(asked) == 1
-    out = gm(a, b)
-    assert out.shape == expected_shape
-    torch.testing.assert_close(out, fn(a, b), rtol=1e-5, atol=1e-4)  # summation order
+    assert _mm_shapes(gm) == [(n, m)]  # the wide side now gives the rows
+    out = gm(h, dy)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, h.t() @ dy, rtol=1e-5, atol=1e-4)  # summation order
 
 
-def test_the_turned_form_must_win_by_the_margin_and_each_layout_is_timed_once(timings):
-    asked, answer = timings
-    layout = ((1024, 384), (384, 1), (384, 9), (9, 1), torch.float32)
-    answer["seconds"] = (1.1, 1.0)  # under MIN_GAIN: noise, not a win
-    assert not orientation.faster_turned(*layout)
-    answer["seconds"] = (3.0, 1.0)
-    assert not orientation.faster_turned(*layout)  # remembered, not timed again
-    assert len(asked) == 1
-    assert orientation.faster_turned(*layout[:4], torch.float64)  # another dtype: timed
-    assert len(asked) == 2
-
-
-@pytest.mark.parametrize("fn, a, b", [
-    (lambda a, b: a @ b, torch.randn(1024, 384), torch.randn(384, 96)),  # no side a bond
-    (lambda a, b: a @ b, torch.randint(0, 9, (1024, 384)), torch.randint(0, 9, (384, 9))),
-    (lambda a, b: a @ b, torch.randn(1024, 384), torch.randn(1, 9).expand(384, 9)),  # broadcast
-    (lambda a, b: a @ b, torch.randn(1024, 384), torch.randn(768, 9)[::2]),  # rows strided
-])
-def test_matmuls_that_are_not_bond_thin_and_dense_are_not_timed(timings, fn, a, b):
-    asked, _ = timings
+@pytest.mark.parametrize(
+    "fn, a, b",
+    [
+        (lambda a, b: a @ b, torch.randn(32, 2048), torch.randn(2048, 768)),  # not transposed
+        (lambda a, b: a.t() @ b, torch.randn(1024, 32), torch.randn(1024, 768)),  # short reduction
+        (lambda a, b: a.t() @ b, torch.randn(2048, 14), torch.randn(2048, 768)),  # too thin
+        (lambda a, b: a.t() @ b, torch.randn(2048, 128), torch.randn(2048, 768)),  # not thin
+        (lambda a, b: a.t() @ b, torch.randn(2048, 32), torch.randn(2048, 64)),  # not wide
+        (lambda a, b: a.t() @ b, torch.randn(2048, 32), torch.randn(2048, 3072)),  # too wide
+        (lambda a, b: a.t() @ b.t(), torch.randn(2048, 32), torch.randn(768, 2048)),  # b.T
+        (lambda a, b: a.t() @ b, torch.randint(0, 9, (2048, 32)), torch.randint(0, 9, (2048, 768))),
+        (lambda a, b: a.t() @ b, torch.randn(2048, 32, dtype=torch.float64),
+         torch.randn(2048, 768, dtype=torch.float64)),  # dgemm runs it faster as written
+    ],
+)
+def test_other_matmuls_are_left_alone(fn, a, b):
     gm = _traced(fn, a, b)
     assert orientation.orient_thin_matmuls(gm.graph) == 0
-    assert asked == []
 
 
-def test_deterministic_algorithms_keep_every_matmul_as_written(timings):
-    asked, _ = timings
-    gm = _traced(lambda a, b: a @ b, torch.randn(1024, 384), torch.randn(384, 9))
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert orientation.orient_thin_matmuls(gm.graph) == 0
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    assert asked == [] and orientation.orient_thin_matmuls(gm.graph) == 1
-
-
-def test_a_matmul_timed_slower_turned_is_left_as_written(timings):
-    asked, answer = timings
-    answer["seconds"] = (1.0, 4.0)
-    gm = _traced(lambda a, b: a.t() @ b, torch.randn(1024, 9), torch.randn(1024, 384))
-    assert orientation.orient_thin_matmuls(gm.graph) == 0
-    assert len(asked) == 1
-
-
-def test_timing_both_forms_measures_real_kernels():
-    # x.T @ dh for a factor of bond 9: BLAS runs it below its transposed problem (4x on
-    # the two Zen 3 cores this was written on); both forms take real, finite time
-    written, turned = orientation.time_both_forms((384, 4096), (1, 384), (4096, 9), (9, 1))
-    assert 0 < turned < written < 1.0
-
-
-@pytest.mark.parametrize("layer", [
-    lambda: TTLinear(64, 512, ranks=8),
-    lambda: LowRankLinear(256, 384, ranks=9),
-    lambda: CoLALinear(256, 384, ranks=12),
-])
-def test_compiled_training_with_every_timed_matmul_turned_matches_eager(timings, layer):
-    asked, _ = timings  # each timed matmul is "faster turned": forward and backward rewritten
+def test_compiled_cpu_training_turns_tt_weight_gradients_and_matches_eager(monkeypatch):
+    calls = []
+    original = orientation.orient_thin_matmuls
+    monkeypatch.setattr(orientation, "orient_thin_matmuls",
+                        lambda graph: calls.append(original(graph)) or calls[-1])
     torch.manual_seed(0)
-    first = layer()
-    model = torch.nn.Sequential(first, torch.nn.GELU(), torch.nn.Linear(first.out_features, 8))
-    assert_compiled_gradients_match_eager(model, torch.randn(512, first.in_features))
-    assert len(asked) >= 3  # the layer's forward and both factors' gradients at least
+    model = torch.nn.Sequential(TTLinear(64, 512, ranks=32), torch.nn.GELU(),
+                                TTLinear(512, 256, ranks=32))
+    assert_compiled_gradients_match_eager(model, torch.randn(2048, 64))
+    assert sum(calls) >= 1  # the 32 x 2048 x 512 gradient of the first layer's output factor

@@ -37,9 +37,9 @@ holds one recognisable node per tensorized layer. The backend
    compiler freed back to the OS (``malloc_trim``, a one-off call).
 6. on CPU, splits the backward's sums over many rows (bias and LayerNorm gradients)
    into sums over blocks of rows (``compile.reductions``): inductor's one-pass loop for
-   them takes three times aten's time; and runs each matmul with a rank bond for one of
-   its sizes as its transposed problem where that is timed faster on this machine
-   (``compile.matmul_orientation``).
+   them takes three times aten's time; and turns thin weight-gradient matmuls
+   (``h.T @ dy`` with a rank-wide ``h``) into their transposed problem, which MKL runs
+   faster (``compile.matmul_orientation``).
 7. on CPU, builds each generated module's kernels in one compiler run per compile worker
    rather than one per kernel (``compile.pooled_kernels``): the precompiled ATen header
    loads once per run, not once per kernel.
@@ -283,7 +283,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
 
 class CpuPostGradPasses(CustomGraphPass):
     """Inductor's post-grad pass slot for CPU graphs: row sums in blocks
-    (``compile.reductions``), then bond-thin matmuls turned where that is timed faster
+    (``compile.reductions``), then thin weight-gradient matmuls turned around
     (``compile.matmul_orientation``). Its uuid (both files' hashes) keys inductor's caches."""
 
     def __call__(self, graph: fx.Graph) -> None:
