@@ -219,7 +219,6 @@ def test_in_place_compile_of_a_torch_module_is_one_graph_not_one_per_layer():
     assert counters["stats"]["unique_graphs"] == 2  # batch 2 static, then one symbolic
 
 
-
 @pytest.mark.slow
 def test_hugging_face_t5_with_a_tt_embedding_trains_compiled_across_batch_sizes():
     """T5's shared embedding (a TT table read by encoder and decoder, tied to the head): a

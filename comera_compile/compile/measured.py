@@ -245,7 +245,7 @@ class MeasuredCompile:
                 # graphs before it in the call may have, so their buffer updates, e.g.
                 # BatchNorm's statistics, happen once more): the default must not stop a
                 # run that eager trains, so this call and every later one run eager
-                first = str(error).strip().splitlines()[-1][:200]
+                first = (str(error).strip().splitlines() or [""])[-1][:200]
                 self.run_eager(f"compiling failed ({type(error).__name__}: {first})")
                 log.warning("compiling failed; the model runs eager from now on: %s", first)
         return self.model._call_impl(*args, **kwargs)

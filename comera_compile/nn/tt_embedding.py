@@ -159,14 +159,14 @@ class TTEmbedding(TensorizedLayer):
         else:
             ids, index = flat, None  # each id's own row, in order
         table = self.lookup(ids).to(self.cores[0].dtype)  # as nn.Embedding, even in autocast
-        if index is None and self.mode is None:
-            # the rows are the output: no gather, and no index of the ids' count, whose size
-            # a compiled backward with a dynamic batch could not bind (Hugging Face T5)
-            if self.padding_idx is not None:  # padding reads zeros and passes no gradient
-                table = table.masked_fill((flat == self.padding_idx).unsqueeze(-1), 0)
-            return table.reshape(*input.shape, self.embedding_dim)
         if index is None:
-            index = torch.arange(flat.numel(), device=flat.device)
+            if self.mode is None:
+                # the rows are the output: no gather, and no index of the ids' count, whose
+                # size a compiled backward with a dynamic batch could not bind (HF T5)
+                if self.padding_idx is not None:  # padding reads zeros, passes no gradient
+                    table = table.masked_fill((flat == self.padding_idx).unsqueeze(-1), 0)
+                return table.reshape(*input.shape, self.embedding_dim)
+            index = torch.arange(flat.numel(), device=flat.device)  # bags gather in order
         padding = None
         if self.padding_idx is not None:  # point padding positions at an extra zero row
             padding = table.shape[0]
