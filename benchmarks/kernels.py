@@ -14,7 +14,11 @@
    written and as its transposed problem ``(dy.T @ h).T`` (``compile.matmul_orientation``);
    each over eight operand pairs in turn, so the operands come from memory as in a step;
    one float64 row (dgemm, which the backend leaves as written).
-5. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
+5. Sibling products: ``x @ U_i`` for factors ``U_i`` that read one activation (CoLA's
+   Q, K, V first factors, gate and up), forward and backward (the input gradient summed
+   over the siblings, each factor's gradient), one product each against one product of
+   the joined factors (``compile.sibling_matmuls``), over four activations in turn.
+6. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
    six-encoder layer allocates at batch 32 x 128) with freed blocks released at once,
    which maps each such block anew, with ``compile.host_memory`` reuse (glibc's heap) and
    with its block cache; minor page faults per call next to the time. Runs last: the
@@ -153,6 +157,37 @@ def orientation_rows(repeats: int) -> list[list[str]]:
     return rows
 
 
+def sibling_rows(repeats: int) -> list[list[str]]:
+    from comera_compile.compile.sibling_matmuls import MAX_WIDTH
+
+    rows = []
+    for width, ranks in ((384, (47, 25, 24)), (384, (72, 72)), (768, (40, 40, 40)),
+                         (768, (96, 96)), (1024, (160, 160)), (768, (768, 768, 768))):
+        xs = [torch.randn(ROWS, width) for _ in range(4)]
+        gs = [[torch.randn(ROWS, r) for r in ranks] for _ in range(4)]
+        us = [torch.randn(width, r) for r in ranks]
+
+        def separate(xs=xs, gs=gs, us=us):
+            for x, g in zip(xs, gs):
+                [x @ u for u in us]
+                sum(gi @ u.T for gi, u in zip(g, us))
+                [x.T @ gi for gi in g]
+
+        def joined(xs=xs, gs=gs, us=us, ranks=ranks):
+            for x, g in zip(xs, gs):
+                u, g = torch.cat(us, 1), torch.cat(g, 1)  # backward of the split: one cat
+                x @ u
+                g @ u.T
+                (x.T @ g).split(list(ranks), 1)
+
+        apart = median_seconds(separate, repeats) / len(xs)
+        one = median_seconds(joined, repeats) / len(xs)
+        join = all(r <= MAX_WIDTH for r in ranks)
+        rows.append([f"{width} x {list(ranks)}", f"{apart * 1e3:.2f}", f"{one * 1e3:.2f}",
+                     f"{apart / one:.2f}x", "yes" if join else "no"])
+    return rows
+
+
 def host_memory_rows(repeats: int) -> list[list[str]]:
     """Each allocator from a trimmed heap (so no setting serves another's freed blocks),
     warmed up, then timed; the page faults are those of the timed calls only."""
@@ -200,6 +235,10 @@ def main() -> None:
     set_host_memory("reuse")
     print(table(inductor_rows(args.repeats),
                 ["op", "aten", "inductor", "inductor/aten", "inductor, row sums in blocks"]))
+    print(f"\nsibling products x @ U_i, forward + backward, {ROWS} rows (ms, median):")
+    print(table(sibling_rows(args.repeats),
+                ["width x ranks", "one product each", "joined", "speed-up",
+                 "joined by the backend"]))
     print(f"\nGELU(x) * 2 on a {ROWS} x 3072 activation, by host allocator (ms, median):")
     print(table(host_memory_rows(args.repeats),
                 ["allocator", "ms", "page faults per call", "speed-up"]))

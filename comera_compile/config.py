@@ -122,6 +122,8 @@ class CompileOptions:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels).
     ``absorb_attention``: compute attentions whose Q, K, V and O are TT, low-rank or CoLA
     layers through their rank bonds where that costs fewer flops.
+    ``join_products``: compute thin products of one activation by several weights (CoLA's
+    Q, K, V or gate and up factors) as one wider product.
     ``inductor_config``: ``torch._inductor.config`` entries to patch while compiling
     (checked against inductor's config when the model is compiled).
     ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
@@ -144,6 +146,7 @@ class CompileOptions:
     objective: str | None = None
     inductor: bool = True
     absorb_attention: bool = True
+    join_products: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict)
     blocks: bool | None = None
     symbolic_ranks: bool | None = None
@@ -155,6 +158,7 @@ class CompileOptions:
         _flag("autotune", self.autotune)
         _flag("inductor", self.inductor, allow_none=False)
         _flag("absorb_attention", self.absorb_attention, allow_none=False)
+        _flag("join_products", self.join_products, allow_none=False)
         _flag("blocks", self.blocks)
         _flag("symbolic_ranks", self.symbolic_ranks)
         if self.objective is not None:

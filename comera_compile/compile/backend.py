@@ -13,7 +13,9 @@ holds one recognisable node per tensorized layer. The backend
    attention whose Q, K, V and O are TT, low-rank or CoLA layers (CoLA's plain matmuls
    are found by the graph reading a ``cores`` parameter) through their rank bonds where
    the bonds are narrower than the heads (``compile.absorbed_attention``: the model-wide
-   Q, K, V are never made and each head's matmuls contract the bond, not the head width);
+   Q, K, V are never made and each head's matmuls contract the bond, not the head width),
+   and joins thin products of one activation by several weights into one product
+   (``compile.sibling_matmuls``: CoLA's Q, K, V first factors, gate and up);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
    plan's pairwise program for the rows' bucket (a symbolic batch is guarded to the
    region of buckets that one plan serves, so one graph serves every batch size in it),
@@ -79,6 +81,7 @@ from comera_compile.compile.host_memory import (
 from comera_compile.compile.options import BackendOptions, parse_options
 from comera_compile.compile.pooled_kernels import pooled_kernels
 from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
+from comera_compile.compile.sibling_matmuls import fuse_sibling_matmuls
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
 log = logging.getLogger("comera_compile")
@@ -239,6 +242,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
         gm.recompile()
     if reads_cores and opts.absorb_attention:
         absorb_attention(gm)
+    if reads_cores and opts.join_products:
+        fuse_sibling_matmuls(gm)
     if not reads_cores:
         _warn_plain()
     _log_start(nodes)

@@ -25,7 +25,7 @@ from comera_compile.planner import parse_objective
 
 OWN_KEYS = (
     "cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory",
-    "absorb_attention",
+    "absorb_attention", "join_products",
 )
 
 HOST_MEMORY = HOST_MEMORY_MODES
@@ -52,6 +52,8 @@ class BackendOptions:
     ``absorb_attention``: compute attentions whose Q, K, V and O are TT, low-rank or CoLA
     layers through their rank bonds where that costs fewer flops
     (``compile.absorbed_attention``; default on).
+    ``join_products``: compute thin products of one activation by several weights (CoLA's
+    Q, K, V or gate and up factors) as one product (``compile.sibling_matmuls``; default on).
     ``config``: inductor config patches."""
 
     cudagraphs: bool | None = None
@@ -61,6 +63,7 @@ class BackendOptions:
     memory: float = 1.0
     host_memory: str = "off"
     absorb_attention: bool = True
+    join_products: bool = True
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,6 +80,8 @@ def parse_options(options: dict[str, Any] | CompileOptions | None,
         inductor=bool(_flag("inductor", options.pop("inductor", True), allow_none=False)),
         absorb_attention=bool(_flag(
             "absorb_attention", options.pop("absorb_attention", True), allow_none=False)),
+        join_products=bool(_flag(
+            "join_products", options.pop("join_products", True), allow_none=False)),
     )
     out.memory = parse_memory(options.pop("memory", "default"))
     out.host_memory = check_host_memory(options.pop("host_memory", None))

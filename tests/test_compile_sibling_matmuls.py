@@ -1,0 +1,126 @@
+"""Thin products of one activation joined into one: same values and gradients, one matmul."""
+
+import copy
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+from comera_compile.compile import compile_model
+from comera_compile.compile.sibling_matmuls import MAX_WIDTH, fuse_sibling_matmuls
+from comera_compile.nn import CoLALinear
+
+
+class SwiGLUAttentionInputs(nn.Module):
+    """Q, K, V and gate / up as CoLA layers reading one normalised activation, a SwiGLU
+    MLP and a product of two activations (never joined) beside them."""
+
+    def __init__(self, width: int = 32, ranks=(6, 4, 4, 8, 8)) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.q, self.k, self.v, self.gate, self.up = (
+            CoLALinear(width, width, ranks=r) for r in ranks)
+        self.down = CoLALinear(width, width, ranks=5)
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        scores = (q @ k.transpose(-1, -2)).softmax(-1)  # activations: not a weight product
+        mlp = self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        return x + scores @ v + mlp
+
+
+def _joining_backend(counts: list[int]):
+    """A dynamo backend that runs the pass and then the graph as it is (no inductor)."""
+    def backend(gm, example_inputs):
+        counts.append(fuse_sibling_matmuls(gm))
+        counts.append(sum(1 for n in gm.graph.nodes if n.op == "call_function"
+                          and n.target in (operator.matmul, torch.matmul)))
+        return gm.forward
+    return backend
+
+
+def _values_and_grads(model, x, proj):
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (out @ proj).square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+def test_siblings_become_one_product_with_equal_values_and_gradients():
+    torch.manual_seed(0)
+    model = SwiGLUAttentionInputs()
+    x, proj = torch.randn(3, 5, 32), torch.randn(32)
+    want = _values_and_grads(model, x, proj)
+    counts: list[int] = []
+    compiled = torch.compile(copy.deepcopy(model), backend=_joining_backend(counts))
+    got = _values_and_grads(compiled, x, proj)
+    # q, k, v, gate and up all read h: four joined into the first
+    assert counts[0] == 4
+    # before: 6 first factors, 6 second factors, 2 attention products = 14 matmuls; after:
+    # one joined product, down's first factor, 6 second factors, 2 attention products
+    assert counts[1] == 10
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[2], want[2]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        assert w.abs().sum() > 0  # a random projection: every parameter has a gradient
+
+
+def test_wide_or_activation_products_are_left_alone():
+    torch.manual_seed(0)
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(16, MAX_WIDTH + 8))
+            self.b = nn.Parameter(torch.randn(16, MAX_WIDTH + 8))
+
+        def forward(self, x):
+            return x @ self.a + x @ self.b, x @ (x.transpose(-1, -2) @ x)[..., :8]
+
+    counts: list[int] = []
+    model = Wide()
+    x = torch.randn(4, 16)
+    out = torch.compile(model, backend=_joining_backend(counts))(x)
+    assert counts[0] == 0
+    torch.testing.assert_close(out, model(x))
+
+    model.a.data, model.b.data = model.a[:, :8].clone(), model.b[:, :8].clone()
+    counts.clear()
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=_joining_backend(counts))(x)
+    assert counts[0] == 1  # thin: a and b joined, the activation product left alone
+    torch.testing.assert_close(out, model(x))
+
+
+def test_comera_backend_joins_cola_siblings_and_can_be_turned_off():
+    torch.manual_seed(0)
+    model = SwiGLUAttentionInputs()
+    x, proj = torch.randn(2, 4, 32), torch.randn(32)
+    want = _values_and_grads(model, x, proj)
+    from comera_compile.compile import sibling_matmuls
+
+    for join, joined in ((True, 4), (False, 0)):
+        before = sibling_matmuls.products_joined()
+        torch._dynamo.reset()
+        compiled = compile_model(copy.deepcopy(model), inductor=False, join_products=join)
+        got = _values_and_grads(compiled, x, proj)
+        assert sibling_matmuls.products_joined() - before == joined
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_join_products_is_a_checked_option(join):
+    from comera_compile.compile.options import parse_options
+    from comera_compile.config import CompileOptions
+
+    assert parse_options({"join_products": join}).join_products is join
+    assert CompileOptions(join_products=join).join_products is join
+    with pytest.raises((TypeError, ValueError), match="join_products"):
+        parse_options({"join_products": "yes"})
