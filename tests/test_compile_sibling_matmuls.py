@@ -124,3 +124,43 @@ def test_join_products_is_a_checked_option(join):
     assert CompileOptions(join_products=join).join_products is join
     with pytest.raises((TypeError, ValueError), match="join_products"):
         parse_options({"join_products": "yes"})
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SwiGLUAttentionInputs() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_symbolic_ranks_join_and_survive_a_cut_without_a_new_graph():
+    from comera_compile.compile import sibling_matmuls
+    from comera_compile.compile.backend import graphs_compiled
+
+    torch.manual_seed(0)
+    model = Blocks()
+    joined = sibling_matmuls.products_joined()
+    x, proj = torch.randn(2, 4, 32), torch.randn(32)
+    torch._dynamo.reset()
+    compiled = compile_model(copy.deepcopy(model), inplace=True, blocks=True,
+                             symbolic_ranks=True, inductor=False)
+    for step in range(2):
+        if step == 1:  # a cut: two channels of one block's K and of another's gate off
+            for m in (model, compiled):
+                for layer in (m.blocks[0].k, m.blocks[2].gate):
+                    with torch.no_grad():
+                        layer.gates[0][:2] = 0.0
+                    layer.prune_ranks()
+            assert compiled.blocks[0].k.ranks[1] == 2 and compiled.blocks[2].gate.ranks[1] == 6
+        before = graphs_compiled()
+        want, got = _values_and_grads(model, x, proj), _values_and_grads(compiled, x, proj)
+        if step == 1:
+            assert graphs_compiled() == before  # the joined graph serves the cut ranks
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert sibling_matmuls.products_joined() - joined == 4  # one graph serves the 3 blocks
