@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.compile.measured import COMPILED, EAGER, MARGIN, WARMUP, MeasuredCompile
+from comera_compile.compile.measured import (
+    COMPILED,
+    EAGER,
+    KEEP,
+    MARGIN,
+    WARMUP,
+    MeasuredCompile,
+)
 from comera_compile.training.trainer import is_compiled
 
 
@@ -60,6 +67,17 @@ def test_the_faster_form_is_kept_for_training(eager_s, compiled_s, choice):
     assert (len(ran) - before == 4) == (choice == COMPILED)
     assert is_compiled(model) == (choice == COMPILED)
     assert choice in model._compiled_call_impl.describe()
+
+
+def test_a_cpu_gain_under_the_keep_threshold_stays_eager_and_says_so():
+    model, ran = _install(0.02, 0.0175)  # about 1.14x faster compiled: under KEEP on CPU
+    x = torch.randn(2, 4)
+    for _ in range(CALLS + 2):
+        model(x).sum().backward()
+    race = model._compiled_call_impl.races["training"]
+    assert race.keep == KEEP["cpu"] == 1.3
+    assert 1.0 < race.speedup < race.keep and race.choice == EAGER
+    assert "under the 1.30x it must gain to be kept" in model._compiled_call_impl.describe()
 
 
 def test_inference_is_raced_apart_and_evaluation_does_not_disturb_training():
@@ -123,7 +141,8 @@ def test_optimize_default_compiles_measured_and_matches_eager():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
     race = compiled._compiled_call_impl.races["training"]
     assert race.choice in (COMPILED, EAGER)
-    assert (race.choice == COMPILED) == (race.speedup >= MARGIN)
+    assert race.keep == KEEP["cpu"]
+    assert (race.choice == COMPILED) == (race.speedup >= race.keep)
     assert "training:" in cc.summary(compiled).compiled
 
 
