@@ -11,6 +11,7 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.compile.measured import (
+    CLOSE_TRIALS,
     COMPILED,
     EAGER,
     KEEP,
@@ -77,7 +78,19 @@ def test_a_cpu_gain_under_the_keep_threshold_stays_eager_and_says_so():
     race = model._compiled_call_impl.races["training"]
     assert race.keep == KEEP["cpu"] == 1.3
     assert 1.0 < race.speedup < race.keep and race.choice == EAGER
+    assert not race.extended  # far enough from the threshold: decided after three trials
     assert "under the 1.30x it must gain to be kept" in model._compiled_call_impl.describe()
+
+
+def test_a_ratio_close_to_the_threshold_is_timed_longer_before_the_choice():
+    model, ran = _install(0.026, 0.02)  # 1.3x: within CLOSE of KEEP on CPU
+    x = torch.randn(2, 4)
+    for _ in range(CALLS + 2 * CLOSE_TRIALS + 2):
+        model(x).sum().backward()
+    race = model._compiled_call_impl.races["training"]
+    assert race.extended and race.choice is not None
+    timed = [len(race.periods[m]) - WARMUP[m] for m in (COMPILED, EAGER)]
+    assert min(timed) >= 3 + CLOSE_TRIALS  # the medians are over the longer race
 
 
 def test_inference_is_raced_apart_and_evaluation_does_not_disturb_training():
