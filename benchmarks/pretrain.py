@@ -19,6 +19,10 @@ steps and schedule, and reports held-out bits per byte:
   known length, for good where a first compile is not expected to pay by the run's end;
   else raced against eager), whose time includes every compile; the graphs compiled are
   counted;
+- ``comera-compiled-always``: the rank-adaptive run compiled from its first step,
+  ``compile="always"`` with symbolic ranks (``CompileOptions(symbolic_ranks=True)``: the
+  blocks' graph serves every cut), whatever a compile is expected to pay back: what the
+  compiled path itself costs and saves over the whole run;
 - ``galore``: the full model with GaLore's optimizer (skipped if ``galore-torch`` is absent).
 
 It prints, and writes to ``benchmarks/results/pretrain.md``, val bits per byte at equal
@@ -57,7 +61,12 @@ from comera_compile.tables import text_table  # noqa: E402
 FORMAT_ROWS = ("tt", "ttm", "lowrank", "cola")
 ADAPTIVE_ROWS = {"comera": "default", "comera-tt": "tt"}  # rank-adaptive row: its fixed row
 ALL_ROWS = ("dense", "dense-equal", "default", *FORMAT_ROWS, *ADAPTIVE_ROWS, "comera-compiled",
-            "default-compiled", "galore")
+            "comera-compiled-always", "default-compiled", "galore")
+
+
+def eager_row(row: str) -> str:
+    """The row a compiled row is measured against (``comera-compiled-always``: ``comera``)."""
+    return row.removesuffix("-always").removesuffix("-compiled")
 
 
 # ----- data ---------------------------------------------------------------------------------
@@ -138,11 +147,17 @@ def build(args, row: str):
         target = count(build(args, "default")[0])
         torch.manual_seed(args.seed)
         return narrower(args, target)[0], None
-    compiled = row.endswith("-compiled") or args.compile
-    row = row.removesuffix("-compiled")
+    compiled = "always" if row.endswith("-always") else (
+        row.endswith("-compiled") or args.compile)
+    row = eager_row(row)
     fixed = ADAPTIVE_ROWS.get(row, row)  # a rank-adaptive row's layers are its fixed row's
     budget = args.budget * 2 if row in ADAPTIVE_ROWS else args.budget
     kwargs = {} if fixed == "default" else {"format": fixed}
+    if compiled == "always":  # symbolic ranks: cuts compile nothing
+        config = cc.CompressionConfig(budget=budget, compile="always",
+                                      compile_options=cc.CompileOptions(symbolic_ranks=True),
+                                      **kwargs)
+        return cc.optimize(dense, config, example_inputs=example), None
     model = cc.optimize(dense, budget=budget, example_inputs=example, compile=compiled,
                         **kwargs)
     return model, None
@@ -204,7 +219,7 @@ def run_row(args) -> dict:
     optimizer = optimizer_for(args, args.row, model)
     base = [g["lr"] for g in optimizer.param_groups]
     trainer = None
-    adaptive = args.row.removesuffix("-compiled")
+    adaptive = eager_row(args.row)
     if adaptive in ADAPTIVE_ROWS:
         fixed = count(build(args, ADAPTIVE_ROWS[adaptive])[0])  # its fixed-rank row's size
         trainer = cc.training.RankAdaptiveTrainer(  # defaults, but for the run's length
@@ -279,8 +294,8 @@ def comparisons(results: dict, clock: float) -> list[str]:
             lines.append(f"{adaptive} - {fixed} (the same layers at fixed ranks of the same "
                          f"final size): {end[adaptive] - end[fixed]:+.3f} bpb")
     for row in results:
-        eager = row.removesuffix("-compiled")
-        if row.endswith("-compiled") and eager in results:
+        eager = eager_row(row)
+        if eager != row and eager in results:
             ratio = results[eager]["curve"][-1][1] / results[row]["curve"][-1][1]
             whole = results[eager]["wall_s"] / results[row]["wall_s"]
             r = results[row]
