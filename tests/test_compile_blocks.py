@@ -293,3 +293,16 @@ def test_hugging_face_decoder_blocks_share_one_graph_in_training():
     with torch.no_grad():
         assert _without_training_cache(model, {}) == {}
     assert _without_training_cache(Stack(), {}) == {}  # no config asking for a cache
+    # an evaluation call builds the cache the caller may read: its blocks run eager, rather
+    # than one graph per layer (each guarded on its own slot of the cache)
+    model.eval()
+    eager.eval()
+    before = graphs_compiled()
+    with torch.no_grad():
+        out, ref = model(ids), eager(ids)
+    assert graphs_compiled() == before
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 8
+    assert torch.allclose(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # without the cache, the blocks' evaluation graph: one for all
+        model(ids, use_cache=False)
+    assert graphs_compiled() - before == 1

@@ -23,7 +23,11 @@ inductor's cache. Hugging Face decoders are the common case: they build a key-va
 in training too unless ``use_cache=False``, indexed by each layer's number, so in a
 training call (grad enabled) a model whose config asks for the cache is called with
 ``use_cache=False``, as Hugging Face's own gradient checkpointing does: a cache built in
-training is never read, and it made each block a graph of its own.
+training is never read, and it made each block a graph of its own. A block call that
+carries a key-value cache (an evaluation or generation call of such a decoder: the caller
+may read the cache, so it is kept) runs eager: each layer updates its own slot, and the
+graph's guards on that state made each block a graph of its own (four compiles for a
+4-layer LLaMA's first evaluation), and generation one more per length.
 
 Blocks are the members of the model's stacks: an ``nn.ModuleList`` or ``nn.Sequential``
 of at least two modules of one class that hold a tensorized layer (a stack without one
@@ -190,6 +194,12 @@ class _BlockCall:
         self.owner, self.block = owner, block
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.owner.active:
+        if self.owner.active and not _carries_cache(args, kwargs):
             return self.owner.compiled_block(self.block, *args, **kwargs)
         return self.block._call_impl(*args, **kwargs)
+
+
+def _carries_cache(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a block call carries a key-value cache object (Hugging Face's ``Cache``,
+    known by its ``get_seq_length``): such calls run eager (module docstring)."""
+    return any(hasattr(v, "get_seq_length") for v in (*args, *kwargs.values()))
