@@ -5,7 +5,8 @@ compiled step without dropout can be slower than eager), and no rule known befor
 says which. So ``optimize(compile=True)`` installs :class:`MeasuredCompile` as the model's
 compiled call. It times whole steps, from one call to the next of the same kind (for
 training: forward, loss, backward, optimizer step and whatever else the loop does),
-compiled and eager in turn, then keeps the faster for the rest of the run. Training calls
+compiled and eager in turn, then keeps the compiled form for the rest of the run where
+it is clearly faster (``KEEP``), else eager. Training calls
 (``model.training`` with grad enabled) and other calls (evaluation, inference) are raced
 apart, since they compile to different graphs. The choices and the measured ratios are
 in ``summary(model)``.
@@ -56,8 +57,9 @@ COMPILED, EAGER = "compiled", "eager"
 TRAINING, INFERENCE = "training", "inference"
 
 MARGIN = 1.05
-"""The compiled step must be this much faster to be kept: a recompile (a new batch-size
-region, a pruned rank) costs seconds, so a gain within timing noise is not worth it."""
+"""The least a compiled step must gain: a profiled bound under it never compiles, and on
+CUDA a raced step is kept from it (``KEEP``). A recompile (a new batch-size region, a
+pruned rank) costs seconds, so a gain within timing noise is not worth it."""
 
 KEEP = {"cpu": 1.3, "cuda": MARGIN}
 """How much faster the raced compiled step must be for the run to keep it. On CPU a race's
