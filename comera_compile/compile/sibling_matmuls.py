@@ -50,8 +50,7 @@ def fuse_sibling_matmuls(gm: fx.GraphModule) -> int:
         if _thin_weight_product(node):
             groups[_source(node.args[0])].append(node)
     joined = 0
-    for members in groups.values():
-        members = _same_kind(members)
+    for members in groups.values():  # one left operand: equal rows, dtype and device
         if len(members) < 2:
             continue
         _join(gm.graph, members, {node: i for i, node in enumerate(gm.graph.nodes)})
@@ -100,7 +99,7 @@ def _thin_weight_product(node: fx.Node) -> bool:
         return False
     if a.dim() < 2 or b.dim() != 2 or a.dtype != b.dtype or a.device != b.device:
         return False
-    width = b.shape[1]
+    width = b.shape[1]  # a symbolic width is a rank kept symbolic (compile.rank_dims): thin
     if isinstance(width, int) and width > MAX_WIDTH:
         return False
     return _weight_chain(node.args[1]) is not None
@@ -126,14 +125,6 @@ def _weight_chain(node: fx.Node) -> list[fx.Node] | None:
         chain.append(n)
         stack.extend(n.all_input_nodes)
     return chain
-
-
-def _same_kind(members: list[fx.Node]) -> list[fx.Node]:
-    """The members whose right operands match the first's rows, dtype and device."""
-    first = _value(members[0].args[1])
-    return [m for m in members if (_value(m.args[1]).shape[0] == first.shape[0]
-                                   and _value(m.args[1]).dtype == first.dtype
-                                   and _value(m.args[1]).device == first.device)]
 
 
 def _join(graph: fx.Graph, members: list[fx.Node], order: dict[fx.Node, int]) -> None:
