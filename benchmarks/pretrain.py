@@ -22,7 +22,10 @@ steps and schedule, and reports held-out bits per byte:
 - ``comera-compiled-always``: the rank-adaptive run compiled from its first step,
   ``compile="always"`` with symbolic ranks (``CompileOptions(symbolic_ranks=True)``: the
   blocks' graph serves every cut), whatever a compile is expected to pay back: what the
-  compiled path itself costs and saves over the whole run;
+  compiled path itself costs and saves over the whole run; next to each compiled row, the
+  ceiling any compiled run of that length could reach (every step at the eager row's
+  profiled bound, ``compile.step_bound``, profiled after its timed run, plus the compiled
+  row's first compile);
 - ``galore``: the full model with GaLore's optimizer (skipped if ``galore-torch`` is absent).
 
 It prints, and writes to ``benchmarks/results/pretrain.md``, val bits per byte at equal
@@ -56,6 +59,7 @@ from _results import write_results  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
 from comera_compile.compile import graphs_compiled  # noqa: E402
+from comera_compile.compile.step_bound import StepProfile, speedup_bound  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 FORMAT_ROWS = ("tt", "ttm", "lowrank", "cola")
@@ -229,10 +233,12 @@ def run_row(args) -> dict:
     rss_before = rss_mb()
     peak = rss_before
     elapsed = 0.0
-    for step in range(args.steps):
+    steps_s = []
+
+    def train_step(step: int) -> float:
         xb = batch(train, args.batch, args.seq, data_gen)
         for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * schedule(step, args.warmup, args.steps)
+            group["lr"] = lr * schedule(min(step, args.steps - 1), args.warmup, args.steps)
         start = time.perf_counter()
         logits = model(xb[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, 256), xb[:, 1:].reshape(-1))
@@ -244,7 +250,11 @@ def run_row(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if trainer is not None:
             trainer.step()
-        elapsed += time.perf_counter() - start
+        return time.perf_counter() - start
+
+    for step in range(args.steps):
+        steps_s.append(train_step(step))
+        elapsed += steps_s[-1]
         peak = max(peak, rss_mb())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, elapsed, evaluate(model, val_batches)))
@@ -253,15 +263,29 @@ def run_row(args) -> dict:
                       file=sys.stderr, flush=True)
     peak = max(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     compiled = "compiled" in args.row or args.compile
+    cuts = trainer.cuts if trainer is not None else 0
+    bound = None
+    if not compiled and cc.nn.tensorized_layers(model):
+        # after the timed run (its time counts nowhere): one step profiled, one not; the
+        # bound of the final (pruned) shapes, whose smaller ranks leave matrix products a
+        # smaller share than earlier steps had, so it errs towards compiling's side
+        trainer = None  # the run is over: no rank loss, no prune
+        profile = StepProfile()
+        profiled = train_step(args.steps)
+        kept = profile.kept(profiled)
+        bound = speedup_bound(min(profiled, train_step(args.steps)), kept)
     return {
         "compiles": graphs_compiled() if compiled else 0,
-        "cuts": trainer.cuts if trainer is not None else 0,
+        "cuts": cuts,
         "wall_s": time.perf_counter() - wall_start,
         "how": cc.summary(model).compiled if cc.nn.tensorized_layers(model) else "",
         "row": args.row,
         "params_start": params_start,
         "params_end": count(model),
         "s_per_step": elapsed / args.steps,
+        "first_step_s": steps_s[0],
+        "median_step_s": sorted(steps_s)[len(steps_s) // 2],
+        "bound": bound,
         "train_mb": peak - rss_before,
         "curve": curve,
     }
@@ -303,7 +327,25 @@ def comparisons(results: dict, clock: float) -> list[str]:
                          f"whole run (set-up and evaluations too): {whole:.2f}x; "
                          f"{r['compiles']} graphs compiled (training and evaluation), "
                          f"{r['cuts']} shape-changing prunes; {r['how']}")
+            ceiling = compiled_ceiling(results[eager], r)
+            if ceiling:
+                lines.append(ceiling)
     return lines
+
+
+def compiled_ceiling(eager: dict, compiled: dict) -> str:
+    """The most any compiled run of this length could gain end to end: every step at the
+    eager row's profiled bound (``compile.step_bound``: the same matrix-product, attention
+    and optimizer kernels, the rest free), plus this compiled row's first compile (its first
+    step over its median one)."""
+    if not eager.get("bound") or not compiled.get("compiles"):
+        return ""  # nothing compiled: the row ran eager's steps
+    train_s = eager["curve"][-1][1]
+    compile_s = max(0.0, compiled["first_step_s"] - compiled["median_step_s"])
+    best = train_s / (train_s / eager["bound"] + compile_s)
+    return (f"  ceiling for a compiled run of this length: {best:.2f}x end to end (every step "
+            f"at the profiled bound, {eager['bound']:.2f}x over eager, plus the first "
+            f"compile, {compile_s:.0f} s)")
 
 
 def race(args) -> None:
