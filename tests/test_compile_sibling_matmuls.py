@@ -9,7 +9,7 @@ from torch import nn
 
 from comera_compile.compile import compile_model
 from comera_compile.compile.sibling_matmuls import MAX_WIDTH, fuse_sibling_matmuls
-from comera_compile.nn import CoLALinear
+from comera_compile.nn import CoLALinear, LowRankLinear
 
 
 class SwiGLUAttentionInputs(nn.Module):
@@ -164,3 +164,90 @@ def test_symbolic_ranks_join_and_survive_a_cut_without_a_new_graph():
         for g, w in zip(got[2], want[2]):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
     assert sibling_matmuls.products_joined() - joined == 4  # one graph serves the 3 blocks
+
+
+class LowRankSiblings(nn.Module):
+    """Q, K and V as low-rank layers (one planned contraction each) reading one
+    normalised activation, and a fourth low-rank layer reading another."""
+
+    def __init__(self, width: int = 48, ranks=(6, 4, 4), out_rank: int = 5) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.q, self.k, self.v = (LowRankLinear(width, width, ranks=r) for r in ranks)
+        self.out = LowRankLinear(width, width, ranks=out_rank)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.out(self.q(h) + self.k(h) * self.v(h))
+
+
+def _graph_counting_backend(counts: list[tuple[int, int, int]]):
+    """Runs the pass, then records (joined, matmuls, planned contractions) and runs the
+    graph as it is."""
+    from comera_compile.planner.ops import CONTRACT
+
+    def backend(gm, example_inputs):
+        joined = fuse_sibling_matmuls(gm)
+        calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        counts.append((joined, sum(t in (operator.matmul, torch.matmul) for t in calls),
+                       sum(t is CONTRACT for t in calls)))
+        return gm.forward
+    return backend
+
+
+def test_lowrank_siblings_are_written_out_and_joined_with_equal_values_and_gradients():
+    torch.manual_seed(0)
+    model = LowRankSiblings()
+    x, proj = torch.randn(3, 50, 48), torch.randn(48)
+    want = _values_and_grads(model, x, proj)
+    counts: list[tuple[int, int, int]] = []
+    got = _values_and_grads(torch.compile(copy.deepcopy(model),
+                                          backend=_graph_counting_backend(counts)), x, proj)
+    # q, k, v: one joined x @ [U_q | U_k | U_v] and three second factors; out (no sibling)
+    # stays one planned contraction
+    assert counts == [(2, 4, 1)]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[2], want[2]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        assert w.abs().sum() > 0
+
+
+def test_lowrank_siblings_stay_planned_where_the_plan_would_not_start_from_x():
+    torch.manual_seed(0)
+    # rank 30 at width 48: x @ U @ V costs more per row than the dense product (30 * 96 >
+    # 48 * 48), so over many rows the plan builds U @ V first; nothing to join
+    model = LowRankSiblings(ranks=(30, 30, 30))
+    x = torch.randn(4, 64, 48)
+    counts: list[tuple[int, int, int]] = []
+    out = torch.compile(model, backend=_graph_counting_backend(counts))(x)
+    assert counts == [(0, 0, 4)]
+    torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_lowrank_siblings_with_symbolic_ranks_survive_a_cut_without_a_new_graph():
+    from comera_compile.compile import sibling_matmuls
+    from comera_compile.compile.backend import graphs_compiled
+
+    torch.manual_seed(0)
+    model = nn.Sequential(LowRankSiblings(), LowRankSiblings())
+    x, proj = torch.randn(2, 40, 48), torch.randn(48)
+    joined = sibling_matmuls.products_joined()
+    torch._dynamo.reset()
+    compiled = compile_model(copy.deepcopy(model), inplace=True, blocks=True,
+                             symbolic_ranks=True, inductor=False)
+    for step in range(2):
+        if step == 1:  # a cut: two channels of the first block's K off
+            for m in (model, compiled):
+                with torch.no_grad():
+                    m[0].k.gates[0][:2] = 0.0
+                m[0].k.prune_ranks()
+            assert compiled[0].k.rank == 2
+        before = graphs_compiled()
+        want, got = _values_and_grads(model, x, proj), _values_and_grads(compiled, x, proj)
+        if step == 1:
+            assert graphs_compiled() == before
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert sibling_matmuls.products_joined() - joined == 2  # one graph serves both blocks
