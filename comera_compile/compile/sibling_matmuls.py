@@ -14,7 +14,8 @@ benchmarks/compiled.py`` the steps).
 :func:`fuse_sibling_matmuls` rewrites a dynamo graph before AOT autograd, so the fused
 backward comes from differentiating the fused forward. It joins ``a @ b_1``, ..., ``a @
 b_n`` (the same ``a``; each ``b_i`` 2-D, at most ``MAX_WIDTH`` columns, computed from the
-graph's inputs by views and casts only: a weight, not an activation) into ``a @ cat(b_i)``
+graph's inputs by views, casts, rank gates and bond padding only: a weight, not an
+activation) into ``a @ cat(b_i)``
 split back by columns. The sum is the same up to float rounding (another blocking inside
 the kernel).
 
