@@ -42,3 +42,33 @@ def test_padded_layer_matches_its_dense_weight_in_outputs_and_gradients(cls, mon
     for got, want in zip(padded, (c.grad for c in layer.cores)):
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * scale)
+
+
+def test_cola_layer_pads_its_bond_and_gate_exactly(monkeypatch):
+    import comera_compile.nn.cola_linear as cola_linear
+    from comera_compile.nn import CoLALinear
+
+    torch.manual_seed(0)
+    layer = CoLALinear(128, 192, ranks=30)
+    with torch.no_grad():
+        layer.gates[0][:3] = 0.0  # gated-off channels stay off in the padded bond
+    seen = []
+    monkeypatch.setattr(cola_linear, "pad_bonds",
+                        lambda cores, rows: seen.append(pad_bonds(cores, rows)) or seen[-1])
+    x, proj = torch.randn(4, 300, 128), torch.randn(192)
+    y = layer(x)
+    assert seen[-1][0].shape[-1] == 32  # 1200 rows: rank 30 runs at 32
+    u, v = layer.cores[0].reshape(128, 30), layer.cores[1].reshape(30, 192)
+    gate = torch.nn.functional.hardshrink(layer.gates[0], layer.threshold)
+    want = (torch.nn.functional.silu(x @ u) * gate) @ v + layer.bias
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    (y @ proj).square().mean().backward()
+    padded = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    monkeypatch.setattr(alignment, "MIN_ROWS", 10**9)  # the same step, unpadded
+    y = layer(x)
+    assert seen[-1][0].shape[-1] == 30
+    (y @ proj).square().mean().backward()
+    for got, want in zip(padded, (p.grad for p in layer.parameters())):
+        assert got.shape == want.shape and want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -18,6 +18,7 @@ from comera_compile.formats import COLA
 from comera_compile.nn.base import output_dtype
 from comera_compile.nn.gates import hard_threshold
 from comera_compile.nn.lowrank_linear import LowRankLinear
+from comera_compile.planner.alignment import pad_bonds
 
 
 class CoLALinear(LowRankLinear):
@@ -32,10 +33,15 @@ class CoLALinear(LowRankLinear):
                 f"got {tuple(x.shape)}"
             )
         dtype = output_dtype(x)
-        u = self.cores[0].reshape(self.in_features, -1).to(dtype)
-        v = self.cores[1].reshape(-1, self.out_features).to(dtype)
-        gate = hard_threshold(self.gates[0], self.threshold).to(dtype)
-        h = F.silu(x.to(dtype) @ u) * gate
+        # the bond at a rank the CPU's matmuls like (planner.alignment: 30 -> 32): zero
+        # columns of U, rows of V and gate entries, and silu(0) * 0 adds nothing, exactly
+        cores = pad_bonds(list(self.cores), x.shape[:-1].numel())
+        gate = hard_threshold(self.gates[0], self.threshold)
+        if cores[0].shape[-1] != gate.shape[0]:
+            gate = F.pad(gate, (0, cores[0].shape[-1] - gate.shape[0]))
+        u = cores[0].reshape(self.in_features, -1).to(dtype)
+        v = cores[1].reshape(-1, self.out_features).to(dtype)
+        h = F.silu(x.to(dtype) @ u) * gate.to(dtype)
         y = h @ v
         return y + self.bias.to(dtype) if self.bias is not None else y
 
