@@ -5,7 +5,7 @@ import torch
 
 import comera_compile.planner.alignment as alignment
 from comera_compile.nn import TTLinear, TTMLinear
-from comera_compile.planner.alignment import aligned_rank, pad_bonds
+from comera_compile.planner.alignment import aligned_rank, bond_padding, is_static, pad_bonds
 
 
 def test_near_misses_are_padded_and_nothing_else():
@@ -53,11 +53,11 @@ def test_cola_layer_pads_its_bond_and_gate_exactly(monkeypatch):
     with torch.no_grad():
         layer.gates[0][:3] = 0.0  # gated-off channels stay off in the padded bond
     seen = []
-    monkeypatch.setattr(cola_linear, "pad_bonds",
-                        lambda cores, rows: seen.append(pad_bonds(cores, rows)) or seen[-1])
+    monkeypatch.setattr(cola_linear, "bond_padding",
+                        lambda cores, rows: seen.append(bond_padding(cores, rows)) or seen[-1])
     x, proj = torch.randn(4, 300, 128), torch.randn(192)
     y = layer(x)
-    assert seen[-1][0].shape[-1] == 32  # 1200 rows: rank 30 runs at 32
+    assert seen[-1] == [2]  # 1200 rows: rank 30 runs at 32
     u, v = layer.cores[0].reshape(128, 30), layer.cores[1].reshape(30, 192)
     gate = torch.nn.functional.hardshrink(layer.gates[0], layer.threshold)
     want = (torch.nn.functional.silu(x @ u) * gate) @ v + layer.bias
@@ -67,8 +67,72 @@ def test_cola_layer_pads_its_bond_and_gate_exactly(monkeypatch):
     layer.zero_grad()
     monkeypatch.setattr(alignment, "MIN_ROWS", 10**9)  # the same step, unpadded
     y = layer(x)
-    assert seen[-1][0].shape[-1] == 30
+    assert seen[-1] == [0]
     (y @ proj).square().mean().backward()
     for got, want in zip(padded, (p.grad for p in layer.parameters())):
         assert got.shape == want.shape and want.abs().sum() > 0
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_symbolic_bonds_are_left_alone_without_a_guard():
+    """While dynamo traces, a symbolic rank looks like an int; padding it would guard the
+    graph to the rank's residue mod 16, and a rank cut would compile it again."""
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    def padded_sizes(left, right):
+        out = pad_bonds([left, right], 4096)
+        return out[0].sum(-1) * 0 + out[0].shape[-1] * is_static(left.shape[-1])
+
+    compiled = torch.compile(padded_sizes, backend=backend, fullgraph=True)
+    for rank in (30, 47, 64, 70, 15):  # near misses, a multiple, wide: every padding case
+        left, right = torch.randn(1, 4, rank), torch.randn(rank, 5, 1)
+        torch._dynamo.maybe_mark_dynamic(left, 2)
+        torch._dynamo.maybe_mark_dynamic(right, 0)
+        assert compiled(left, right).eq(0).all()  # symbolic: not static, not padded
+    assert len(compiles) == 1
+    assert is_static(30) and bond_padding([torch.randn(1, 4, 30), torch.randn(30, 5, 1)],
+                                          4096) == [2]
+
+
+def test_compiled_cola_blocks_with_symbolic_ranks_cut_across_paddings_without_a_new_graph():
+    import copy
+
+    from torch import nn
+
+    from comera_compile.compile import compile_model
+    from comera_compile.compile.backend import graphs_compiled
+    from comera_compile.nn import CoLALinear
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = CoLALinear(64, 96, ranks=30), CoLALinear(96, 64, ranks=47)
+
+        def forward(self, x):
+            return x + self.down(self.up(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    compiled = compile_model(copy.deepcopy(model), inplace=True, blocks=True,
+                             symbolic_ranks=True, inductor=False)
+    x, proj = torch.randn(3, 200, 64), torch.randn(64)  # 600 rows: eager pads 30 and 47
+    for cut in (0, 2, 14):  # 30 -> 28 -> 14 and 47 -> 45 -> 31: in and out of padding
+        for m in (model, compiled):
+            for layer in (m[0].up, m[1].down):
+                with torch.no_grad():
+                    layer.gates[0][:cut] = 0.0
+                layer.prune_ranks()
+        before = graphs_compiled()
+        want, got = model(x), compiled(x)
+        if cut:
+            assert graphs_compiled() == before  # one graph for every rank
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        (got @ proj).square().mean().backward()
+        (want @ proj).square().mean().backward()
+        for a, b in zip(compiled.parameters(), model.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+        compiled.zero_grad(), model.zero_grad()

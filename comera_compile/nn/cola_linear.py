@@ -18,7 +18,7 @@ from comera_compile.formats import COLA
 from comera_compile.nn.base import output_dtype
 from comera_compile.nn.gates import hard_threshold
 from comera_compile.nn.lowrank_linear import LowRankLinear
-from comera_compile.planner.alignment import pad_bonds
+from comera_compile.planner.alignment import bond_padding
 
 
 class CoLALinear(LowRankLinear):
@@ -35,12 +35,14 @@ class CoLALinear(LowRankLinear):
         dtype = output_dtype(x)
         # the bond at a rank the CPU's matmuls like (planner.alignment: 30 -> 32): zero
         # columns of U, rows of V and gate entries, and silu(0) * 0 adds nothing, exactly
-        cores = pad_bonds(list(self.cores), x.shape[:-1].numel())
+        u, v = self.cores
         gate = hard_threshold(self.gates[0], self.threshold)
-        if cores[0].shape[-1] != gate.shape[0]:
-            gate = F.pad(gate, (0, cores[0].shape[-1] - gate.shape[0]))
-        u = cores[0].reshape(self.in_features, -1).to(dtype)
-        v = cores[1].reshape(-1, self.out_features).to(dtype)
+        (extra,) = bond_padding([u, v], x.shape[:-1].numel())
+        if extra:
+            u, v, gate = F.pad(u, (0, extra)), F.pad(v, (0, 0, 0, 0, 0, extra)), F.pad(
+                gate, (0, extra))
+        u = u.reshape(self.in_features, -1).to(dtype)
+        v = v.reshape(-1, self.out_features).to(dtype)
         h = F.silu(x.to(dtype) @ u) * gate.to(dtype)
         y = h @ v
         return y + self.bias.to(dtype) if self.bias is not None else y

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 MULTIPLE = 16  # sgemm's fast widths on CPU
 MAX_WASTE = 1 / 8  # pad only when it adds at most this share of the rank
@@ -38,21 +39,35 @@ def aligned_rank(rank: int, device_type: str = "cpu") -> int:
     return padded if padded - rank <= rank * MAX_WASTE else rank
 
 
-def pad_bonds(cores: Sequence[Tensor], rows: int | torch.SymInt) -> list[Tensor]:
-    """Chain cores ``(r_{k-1}, ..., r_k)`` with each internal bond zero-padded to its
-    :func:`aligned_rank` (the boundary bonds of size 1 stay) when the contraction runs
-    over more than ``MIN_ROWS`` rows; as they are otherwise."""
-    cores = list(cores)
+def bond_padding(cores: Sequence[Tensor], rows: int | torch.SymInt) -> list[int]:
+    """How many zero slices each internal bond of the chain ``cores`` gets (0: none): up to
+    its :func:`aligned_rank` when the contraction runs over more than ``MIN_ROWS`` rows."""
     # a symbolic bond (``compile.rank_dims``) is left as it is: its padding would guard it
-    extras = [0 if isinstance(c.shape[0], torch.SymInt)
-              else aligned_rank(c.shape[0], c.device.type) - c.shape[0] for c in cores[1:]]
+    extras = [aligned_rank(c.shape[0], c.device.type) - c.shape[0] if is_static(c.shape[0])
+              else 0 for c in cores[1:]]
     # compare the rows only where a bond would be padded: on a symbolic count the
     # comparison is a shape guard, and a graph with nothing to pad needs none
     if not any(extras) or rows <= MIN_ROWS:
-        return cores
-    for k, extra in enumerate(extras, start=1):
+        return [0] * len(extras)
+    return extras
+
+
+def pad_bonds(cores: Sequence[Tensor], rows: int | torch.SymInt) -> list[Tensor]:
+    """Chain cores ``(r_{k-1}, ..., r_k)`` with each internal bond zero-padded as
+    :func:`bond_padding` says (the boundary bonds of size 1 stay)."""
+    cores = list(cores)
+    for k, extra in enumerate(bond_padding(cores, rows), start=1):
         if extra:
             left, right = cores[k - 1], cores[k]
             cores[k - 1] = F.pad(left, (0, extra))  # last dim of the left core
             cores[k] = F.pad(right, (0, 0) * (right.dim() - 1) + (0, extra))  # first dim
     return cores
+
+
+def is_static(size: int | torch.SymInt) -> bool:
+    """Whether ``size`` is a plain number, without a guard. While dynamo traces, a symbolic
+    size passes ``isinstance(size, int)`` and fails ``isinstance(size, torch.SymInt)``;
+    what tells it apart is that neither ``size % 16 == 0`` nor its negation is known
+    without one."""
+    return statically_known_true(size % MULTIPLE == 0) or statically_known_true(
+        size % MULTIPLE != 0)
