@@ -18,7 +18,7 @@ from comera_compile.formats import COLA
 from comera_compile.nn.base import output_dtype
 from comera_compile.nn.gates import hard_threshold
 from comera_compile.nn.lowrank_linear import LowRankLinear
-from comera_compile.planner.alignment import bond_padding
+from comera_compile.planner.alignment import bond_padding, pad_bond
 
 
 class CoLALinear(LowRankLinear):
@@ -39,8 +39,7 @@ class CoLALinear(LowRankLinear):
         gate = hard_threshold(self.gates[0], self.threshold)
         (extra,) = bond_padding([u, v], x.shape[:-1].numel())
         if extra:
-            u, v, gate = F.pad(u, (0, extra)), F.pad(v, (0, 0, 0, 0, 0, extra)), F.pad(
-                gate, (0, extra))
+            (u, v), gate = pad_bond(u, v, extra), F.pad(gate, (0, extra))
         u = u.reshape(self.in_features, -1).to(dtype)
         v = v.reshape(-1, self.out_features).to(dtype)
         h = F.silu(x.to(dtype) @ u) * gate.to(dtype)

@@ -58,10 +58,14 @@ def pad_bonds(cores: Sequence[Tensor], rows: int | torch.SymInt) -> list[Tensor]
     cores = list(cores)
     for k, extra in enumerate(bond_padding(cores, rows), start=1):
         if extra:
-            left, right = cores[k - 1], cores[k]
-            cores[k - 1] = F.pad(left, (0, extra))  # last dim of the left core
-            cores[k] = F.pad(right, (0, 0) * (right.dim() - 1) + (0, extra))  # first dim
+            cores[k - 1], cores[k] = pad_bond(cores[k - 1], cores[k], extra)
     return cores
+
+
+def pad_bond(left: Tensor, right: Tensor, extra: int) -> tuple[Tensor, Tensor]:
+    """``left``'s last dim and ``right``'s first (the bond between them) grown by ``extra``
+    zero slices."""
+    return F.pad(left, (0, extra)), F.pad(right, (0, 0) * (right.dim() - 1) + (0, extra))
 
 
 def is_static(size: int | torch.SymInt) -> bool:
