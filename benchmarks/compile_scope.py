@@ -3,7 +3,7 @@
 For each model, ``optimize(budget=0.05)`` then the model compiled two ways
 (``CompileOptions(blocks=False)``: one graph for the whole model; ``blocks=True``: the
 repeated blocks, one graph for blocks of equal shapes, the rest eager;
-``comera_compile.compile.blocks``). Each way runs in a process of its own with empty
+``comera_compile.compile.policy.blocks``). Each way runs in a process of its own with empty
 inductor and plan caches, so each first compile is a real cold start (the C++ precompiled
 header, built once per machine, is built before the first). It prints, per model and way:
 
@@ -44,7 +44,7 @@ from compiled import MODELS, gradient_difference, output, step  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
 from comera_compile.compile.backend import graphs_compiled  # noqa: E402
-from comera_compile.compile.blocks import blocks_pay, distinct_shapes, repeated_blocks  # noqa: E402
+from comera_compile.compile.policy.blocks import blocks_pay, distinct_shapes, repeated_blocks  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 SCOPES = ("whole", "blocks")

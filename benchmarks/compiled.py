@@ -5,7 +5,7 @@ raced against eager, the faster kept) next to the same compressed model eager
 (``compile=False``), same weights, in one process. It prints, per model:
 
 - the forced compiled step over eager (the race's own medians, compiled with inductor),
-  beside the most it could be on CPU (one eager step, profiled: ``compile.step_bound``);
+  beside the most it could be on CPU (one eager step, profiled: ``compile.policy.step_bound``);
 - what the default kept, and its steady step over eager's (alternating steps, medians):
   never below 1.0x is the point of the default (a run of unknown length first runs eager
   for ``WAIT_S``; this benchmark skips that wait and races at once);
@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
-from comera_compile.compile.absorbed_attention import attentions_absorbed  # noqa: E402
-from comera_compile.compile.measured import COMPILED  # noqa: E402
-from comera_compile.compile.step_bound import StepProfile  # noqa: E402
+from comera_compile.compile.graph.absorbed_attention import attentions_absorbed  # noqa: E402
+from comera_compile.compile.policy.measured import COMPILED  # noqa: E402
+from comera_compile.compile.policy.step_bound import StepProfile  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 
@@ -228,7 +228,7 @@ def measure(name: str, args) -> dict:
 
 def eager_bound(model, opt, x, proj) -> float:
     """The most a compiled step could gain on CPU: one eager step, profiled as the default
-    compile profiles one (``compile.step_bound.StepProfile``)."""
+    compile profiles one (``compile.policy.step_bound.StepProfile``)."""
     profile = StepProfile()
     step(model, opt, x, proj)
     return profile.bound(time.perf_counter() - profile.start)
@@ -279,9 +279,9 @@ def main() -> None:
             f"{COMPILED!r} and eager steps in turn; steady: alternating steps). Differences are "
             "relative, before any optimizer step. 'bound': one eager step, profiled, over its "
             "time in matrix products, attention, activations' arithmetic and the optimizer, "
-            "which compiled CPU code runs as eager does (compile.step_bound): the most a "
+            "which compiled CPU code runs as eager does (compile.policy.step_bound): the most a "
             "compiled step of the same kernels could gain. 'absorbed': attentions the "
-            "compiled graphs compute through their rank bonds (compile.absorbed_attention; "
+            "compiled graphs compute through their rank bonds (compile.graph.absorbed_attention; "
             "counted per graph compiled, so a graph that repeated blocks share counts "
             "once), whose attention kernels and model-wide Q, K, V they leave out: there a "
             "compiled step can beat the bound. 'compile s': "

@@ -2,25 +2,25 @@
 
 1. Dropout: aten's ``native_dropout`` (one float draw per element, ``bernoulli_``) against
    softmax + dropout compiled by inductor with aten's dropout and with
-   ``compile.dropout``'s masks hashed from element indices, on the attention probabilities
+   ``compile.cpu.dropout``'s masks hashed from element indices, on the attention probabilities
    of one six-encoder layer at batch 32 x 128 (6.3M elements).
 2. Bond padding: a TT layer's activation matmuls ``x @ B @ C`` (forward + backward, 4096
    rows) at a rank as is and padded to ``planner.alignment.aligned_rank``; and the GFLOP/s
    of ``x @ B`` alone at the two widths.
 3. Inductor's generated CPU loops against aten's kernels for the same math on a
    4096 x 3072 activation: GELU, GELU backward, and a sum over rows (a bias gradient);
-   and inductor with ``compile.reductions``' row sums in blocks (the backend's CPU pass).
+   and inductor with ``compile.cpu.reductions``' row sums in blocks (the backend's CPU pass).
 4. Matmul orientation: a thin weight gradient ``h.T @ dy`` (``h`` of 4096 x rank) as
-   written and as its transposed problem ``(dy.T @ h).T`` (``compile.matmul_orientation``);
+   written and as its transposed problem ``(dy.T @ h).T`` (``compile.cpu.matmul_orientation``);
    each over eight operand pairs in turn, so the operands come from memory as in a step;
    one float64 row (dgemm, which the backend leaves as written).
 5. Sibling products: ``x @ U_i`` for factors ``U_i`` that read one activation (CoLA's
    Q, K, V first factors, gate and up), forward and backward (the input gradient summed
    over the siblings, each factor's gradient), one product each against one product of
-   the joined factors (``compile.sibling_matmuls``), over four activations in turn.
+   the joined factors (``compile.graph.sibling_matmuls``), over four activations in turn.
 6. Host memory: GELU then a scale over a 4096 x 3072 activation (what one FFN of a
    six-encoder layer allocates at batch 32 x 128) with freed blocks released at once,
-   which maps each such block anew, with ``compile.host_memory`` reuse (glibc's heap) and
+   which maps each such block anew, with ``compile.cpu.host_memory`` reuse (glibc's heap) and
    with its block cache; minor page faults per call next to the time. Runs last: the
    setting is process-wide.
 
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import median_seconds, table  # noqa: E402
 
-from comera_compile.compile.host_memory import set_host_memory  # noqa: E402
-from comera_compile.compile.reductions import SplitRowSums  # noqa: E402
+from comera_compile.compile.cpu.host_memory import set_host_memory  # noqa: E402
+from comera_compile.compile.cpu.reductions import SplitRowSums  # noqa: E402
 from comera_compile.machine import describe_machine  # noqa: E402
 from comera_compile.planner.alignment import aligned_rank  # noqa: E402
 
@@ -53,7 +53,7 @@ def dropout_rows(repeats: int) -> list[list[str]]:
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    from comera_compile.compile.dropout import decompositions
+    from comera_compile.compile.cpu.dropout import decompositions
 
     x = torch.randn(32, 12, 128, 128)
     aten = median_seconds(lambda: torch.native_dropout(x, 0.1, True), repeats)
@@ -135,7 +135,7 @@ def inductor_rows(repeats: int) -> list[list[str]]:
 
 
 def orientation_rows(repeats: int) -> list[list[str]]:
-    from comera_compile.compile.matmul_orientation import worth_turning
+    from comera_compile.compile.cpu.matmul_orientation import worth_turning
 
     rows = []
     shapes = [(9, 768, torch.float32), (14, 1024, torch.float32), (20, 2048, torch.float32),
@@ -158,7 +158,7 @@ def orientation_rows(repeats: int) -> list[list[str]]:
 
 
 def sibling_rows(repeats: int) -> list[list[str]]:
-    from comera_compile.compile.sibling_matmuls import MAX_WIDTH
+    from comera_compile.compile.graph.sibling_matmuls import MAX_WIDTH
 
     rows = []
     for width, ranks in ((384, (47, 25, 24)), (384, (72, 72)), (768, (40, 40, 40)),
@@ -193,7 +193,7 @@ def host_memory_rows(repeats: int) -> list[list[str]]:
     warmed up, then timed; the page faults are those of the timed calls only."""
     import resource
 
-    from comera_compile.compile.host_memory import release_free_heap
+    from comera_compile.compile.cpu.host_memory import release_free_heap
 
     x = torch.randn(ROWS, 3072)
     rows, first = [], None

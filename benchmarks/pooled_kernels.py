@@ -1,7 +1,7 @@
 """First compile with the backend's two changes to inductor's CPU compile, against inductor
 as it is: a graph's CPU kernels pooled into one compiler run per worker instead of one per
-kernel (``comera_compile.compile.pooled_kernels``), and the dtype rule table built once
-instead of once per generated op (``comera_compile.compile.dtype_rules``).
+kernel (``comera_compile.compile.cpu.pooled_kernels``), and the dtype rule table built once
+instead of once per generated op (``comera_compile.compile.cpu.dtype_rules``).
 
 For each model, ``optimize(budget=0.05)`` compiled at once in the form ``optimize``'s
 default picks (its repeated blocks, or the whole model), the first training forward and

@@ -24,7 +24,7 @@ steps and schedule, and reports held-out bits per byte:
   blocks' graph serves every cut), whatever a compile is expected to pay back: what the
   compiled path itself costs and saves over the whole run; next to each compiled row, the
   ceiling any compiled run of that length could reach (every step at the eager row's
-  profiled bound, ``compile.step_bound``, profiled after its timed run, plus the compiled
+  profiled bound, ``compile.policy.step_bound``, profiled after its timed run, plus the compiled
   row's first compile);
 - ``galore``: the full model with GaLore's optimizer (skipped if ``galore-torch`` is absent).
 
@@ -59,7 +59,7 @@ from _results import write_results  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
 from comera_compile.compile import graphs_compiled  # noqa: E402
-from comera_compile.compile.step_bound import StepProfile, speedup_bound  # noqa: E402
+from comera_compile.compile.policy.step_bound import StepProfile, speedup_bound  # noqa: E402
 from comera_compile.tables import text_table  # noqa: E402
 
 FORMAT_ROWS = ("tt", "ttm", "lowrank", "cola")
@@ -335,7 +335,7 @@ def comparisons(results: dict, clock: float) -> list[str]:
 
 def compiled_ceiling(eager: dict, compiled: dict) -> str:
     """The most any compiled run of this length could gain end to end: every step at the
-    eager row's profiled bound (``compile.step_bound``: the same matrix-product, attention
+    eager row's profiled bound (``compile.policy.step_bound``: the same matrix-product, attention
     and optimizer kernels, the rest free), plus this compiled row's first compile (its first
     step over its median one)."""
     if not eager.get("bound") or not compiled.get("compiles"):

@@ -144,7 +144,7 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     import torch.nn.functional as F
 
     from comera_compile.compile import compile_model
-    from comera_compile.compile.host_memory import set_host_memory
+    from comera_compile.compile.cpu.host_memory import set_host_memory
     from comera_compile.models.six_encoder import (
         SixEncoderClassifier,
         SixEncoderConfig,

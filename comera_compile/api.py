@@ -128,9 +128,9 @@ def optimize(
     ``compile=True`` (the default) compiles the result in place, as
     ``Module.compile(backend="comera")`` does (the whole model as one graph, or, where it
     has a stack of repeated blocks, one graph for the blocks of equal shapes and the rest
-    eager: ``compile.blocks``; then one graph per plan region of the batch size and per
+    eager: ``compile.policy.blocks``; then one graph per plan region of the batch size and per
     rank change; the class is kept). It runs eager until eager calls have taken as long as the best
-    compiled step would need to repay a first compile (``compile.measured.WAIT_S``), so a
+    compiled step would need to repay a first compile (``compile.policy.measured.WAIT_S``), so a
     short run never compiles; then it times training steps compiled against eager and
     keeps the faster, so compiling never leaves a model slower (``summary`` says which
     runs, with the measured ratio); ``compile="always"`` compiles at once, without timing;
@@ -158,7 +158,7 @@ def optimize(
     size for the next step's requests of that size, ``"reuse"`` keeps freed memory in
     glibc's heap (both: large activations are not faulted in anew each step, for more
     resident memory), ``"release"`` unmaps freed blocks at once
-    (``comera_compile.compile.host_memory``).
+    (``comera_compile.compile.cpu.host_memory``).
     A model built under ``torch.device("meta")`` (too big to build dense) takes
     ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
     layers left dense, buffers) is allocated there, so no dense weight of a swapped layer

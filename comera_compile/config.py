@@ -36,12 +36,12 @@ from comera_compile.planner import parse_objective
 
 HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 """``host_memory`` settings: ``"off"`` (the default) changes nothing; the others are
-process-wide (``comera_compile.compile.host_memory``)."""
+process-wide (``comera_compile.compile.cpu.host_memory``)."""
 
 MEMORY_BUDGETS = {"default": 1.0, "low": 0.999}
 """``memory`` settings as AOT autograd activation budgets. Any budget below 1 recomputes
 the outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them
-alone (``compile.recompute``) and lets the min-cut recompute long fusible chains; "low" stops
+alone (``compile.graph.recompute``) and lets the min-cut recompute long fusible chains; "low" stops
 there (0.999 asks AOT autograd for nothing more). Lower budgets also recompute, by AOT
 autograd's flop-priced knapsack, layer norms, attention and the rest of each layer."""
 
@@ -114,7 +114,7 @@ class CompileOptions:
     autograd's fraction of activations kept (lower: more recomputed).
     ``host_memory``: ``"off"`` (the default) leaves torch's CPU allocator and glibc's
     ``malloc`` settings alone; ``"cache"``, ``"reuse"`` and ``"release"`` change them for the
-    whole process (``comera_compile.compile.host_memory``: faster CPU steps for more
+    whole process (``comera_compile.compile.cpu.host_memory``: faster CPU steps for more
     resident memory, or the reverse). The first compile that asks for a mode sets it; a
     later one asking for another warns and leaves it.
     ``cudagraphs``: run under CUDA Graph trees (None: on when the graph runs on CUDA).
@@ -127,11 +127,11 @@ class CompileOptions:
     ``inductor_config``: ``torch._inductor.config`` entries to patch while compiling
     (checked against inductor's config when the model is compiled).
     ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
-    rather than the whole model (``comera_compile.compile.blocks``; None: where each graph
+    rather than the whole model (``comera_compile.compile.policy.blocks``; None: where each graph
     would serve three blocks or more; True: required; False: the whole model).
     ``symbolic_ranks``: True keeps the TT layers' rank bonds symbolic in the compiled
     graphs, so rank cuts and blocks of different ranks need no new graph
-    (``comera_compile.compile.rank_dims``; steps run a little slower); False: graphs
+    (``comera_compile.compile.policy.rank_dims``; steps run a little slower); False: graphs
     specialised to today's ranks (each cut recompiles); None: symbolic where ``optimize``'s
     measured compile learns that the run cuts ranks (a rank trainer that prunes), else
     static.

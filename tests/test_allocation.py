@@ -306,7 +306,7 @@ def test_copies_in_repeated_blocks_get_the_same_ranks(monkeypatch):
     blocks' ``down_proj`` rank 14 and the fourth 13, another shape, so that block ran eager
     beside three compiled ones. Alike, the four blocks have one shape, and the budget is
     still spent (95-100%)."""
-    from comera_compile.compile.blocks import distinct_shapes, repeated_blocks
+    from comera_compile.compile.policy.blocks import distinct_shapes, repeated_blocks
     from comera_compile.passes import select
 
     def build():

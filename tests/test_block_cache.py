@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from comera_compile.compile import block_cache
+from comera_compile.compile.cpu import block_cache
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the block cache is built for Linux"
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 PRELUDE = """
 import json, resource, torch
-from comera_compile.compile import block_cache as bc
+from comera_compile.compile.cpu import block_cache as bc
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -62,7 +62,7 @@ print(json.dumps({"faults": (faults() - start) / 5, "hits": s1.hits - s0.hits,
 
 def test_without_the_cache_the_same_step_faults_its_pages_in_again():
     out = run("""
-from comera_compile.compile.host_memory import set_host_memory
+from comera_compile.compile.cpu.host_memory import set_host_memory
 assert set_host_memory("release")
 torch.ones(2048, 1024)
 start = faults()
@@ -244,7 +244,7 @@ def test_a_build_that_cannot_run_falls_back_cleanly(tmp_path):
     script = PRELUDE + """
 import sys, time
 from comera_compile.nn import TTLinear
-from comera_compile.compile.host_memory import host_memory_mode
+from comera_compile.compile.cpu.host_memory import host_memory_mode
 if sys.argv[1] == "no-setuptools":
     sys.modules["setuptools"] = None  # import setuptools raises ModuleNotFoundError
 else:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from comera_compile.compile import compile_model
-from comera_compile.compile.absorbed_attention import absorbed_attention, bond_factors
+from comera_compile.compile.graph.absorbed_attention import absorbed_attention, bond_factors
 from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTLinear
 
@@ -156,7 +156,7 @@ def test_cross_attention_with_another_key_length():
 @pytest.mark.parametrize("r_q, r_k, r_v, r_o", [(4, 5, 6, 9), (7, 9, 3, 5)])
 def test_attention_on_bonds_equals_the_standard_form_for_unequal_bonds(r_q, r_k, r_v, r_o):
     """Bonds of different widths (the narrower heads are zero-padded for torch's kernel)."""
-    from comera_compile.compile.absorbed_attention import attention_on_bonds
+    from comera_compile.compile.graph.absorbed_attention import attention_on_bonds
 
     torch.manual_seed(0)
     b, t, h, d = 2, 6, 2, 8

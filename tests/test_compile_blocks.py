@@ -9,16 +9,16 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.compile import compile_model
-from comera_compile.compile.absorbed_attention import attentions_absorbed
 from comera_compile.compile.backend import graphs_compiled
-from comera_compile.compile.blocks import (
+from comera_compile.compile.graph.absorbed_attention import attentions_absorbed
+from comera_compile.compile.policy.blocks import (
     _without_training_cache,
     blocks_pay,
     distinct_shapes,
     repeated_blocks,
     shared_blocks,
 )
-from comera_compile.compile.measured import MeasuredCompile
+from comera_compile.compile.policy.measured import MeasuredCompile
 
 
 class Block(nn.Module):

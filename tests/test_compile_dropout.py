@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comera_compile.compile.dropout import DropoutTag, decompositions, keep_mask, native_dropout
+from comera_compile.compile.cpu.dropout import DropoutTag, decompositions, keep_mask, native_dropout
 
 
 @pytest.fixture(autouse=True)
@@ -135,7 +135,7 @@ def test_backend_hands_inductor_the_cpu_dropout_unless_the_user_owns_the_tag_slo
     (lambda x: torch.relu(x @ x), False),
 ])
 def test_only_graphs_that_may_drop_out_get_the_dropout_table(forward, drops):
-    from comera_compile.compile.dropout import may_drop_out
+    from comera_compile.compile.cpu.dropout import may_drop_out
 
     graphs = []
 
@@ -151,7 +151,7 @@ def test_only_graphs_that_may_drop_out_get_the_dropout_table(forward, drops):
 @pytest.mark.parametrize("p, drops", [(0.1, True), (0.0, False)])
 def test_a_call_passing_dropout_p_positionally_may_drop_out(p, drops):
     """The absorbed attention (put in by the backend) takes ``dropout_p`` by position."""
-    from comera_compile.compile.dropout import may_drop_out
+    from comera_compile.compile.cpu.dropout import may_drop_out
 
     def attend(x, scale=1.0, dropout_p=0.0):
         return F.dropout(x * scale, dropout_p)
@@ -217,7 +217,7 @@ def test_hashed_masks_keep_their_keys_and_per_element_draws_keep_their_mask():
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from comera_compile.compile.recompute import save_random_values
+    from comera_compile.compile.graph.recompute import save_random_values
 
     def marked(fn, shape, policy=CheckpointPolicy.MUST_SAVE):
         graph = make_fx(fn)(torch.randn(shape)).graph
@@ -237,7 +237,7 @@ def _saved_and_compiled(fn):
     """``fn`` under AOT autograd at a low budget; the values its forward saves."""
     from functorch.compile import aot_function, make_boxed_func
 
-    from comera_compile.compile.recompute import partition_keeping_random
+    from comera_compile.compile.graph.recompute import partition_keeping_random
 
     saved = []
 

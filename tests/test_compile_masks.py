@@ -6,7 +6,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from comera_compile.compile import recompute
+from comera_compile.compile.graph import recompute
 
 aten = torch.ops.aten
 

@@ -1,11 +1,11 @@
-"""Thin weight-gradient matmuls as their transposed problem (compile.matmul_orientation)."""
+"""Thin weight-gradient matmuls as their transposed problem (compile.cpu.matmul_orientation)."""
 
 import pytest
 import torch
 from models import assert_compiled_gradients_match_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import comera_compile.compile.matmul_orientation as orientation
+import comera_compile.compile.cpu.matmul_orientation as orientation
 from comera_compile.nn import TTLinear
 
 aten = torch.ops.aten

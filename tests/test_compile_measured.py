@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.compile.measured import (
+from comera_compile.compile.policy.measured import (
     CLOSE_TRIALS,
     COMPILED,
     EAGER,
@@ -202,7 +202,7 @@ def test_the_wait_counts_training_periods_and_inference_calls_apart():
 
 
 def test_optimize_default_waits_with_the_device_rule_and_says_so():
-    from comera_compile.compile.measured import MAX_SPEEDUP, MIN_COMPILE_S, WAIT_S
+    from comera_compile.compile.policy.measured import MAX_SPEEDUP, MIN_COMPILE_S, WAIT_S
 
     assert WAIT_S["cpu"] == pytest.approx(MIN_COMPILE_S / (1 - 1 / MAX_SPEEDUP["cpu"]))
     model = cc.optimize(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)), 0.3,
@@ -231,7 +231,7 @@ def test_a_first_compile_that_cannot_pay_before_the_shapes_change_is_not_made(ca
     """Told the shapes change after ``calls`` training calls, the race times eager first
     (one step profiled for its bound); 50 steps of 20 ms cannot save a first compile's
     cost, so nothing compiles and the summary says why; a long horizon races as before."""
-    from comera_compile.compile.measured import FIRST_COMPILE_S
+    from comera_compile.compile.policy.measured import FIRST_COMPILE_S
 
     model, ran = _install(0.02, 0.005)
     impl = model._compiled_call_impl
@@ -260,7 +260,7 @@ def test_a_profiled_bound_decides_by_the_saving_to_expect_not_the_most():
     bound's removable time, in the share of the model that compiles, over the steps left,
     against a typical first compile. 300 steps of 0.5 s at a bound of 1.3x could save 50 s
     at the best speedup seen, but are expected to save about 10 s: they stay eager."""
-    from comera_compile.compile.measured import (
+    from comera_compile.compile.policy.measured import (
         FIRST_COMPILE_S,
         MAX_SPEEDUP,
         MIN_COMPILE_S,
@@ -337,7 +337,7 @@ class _Row:
 
 
 def test_kept_time_is_matmuls_attention_convolutions_activations_and_the_optimizer():
-    from comera_compile.compile.step_bound import LAUNCH_US, kept_seconds, speedup_bound
+    from comera_compile.compile.policy.step_bound import LAUNCH_US, kept_seconds, speedup_bound
 
     rows = [_Row("aten::mm", 40_000, 41_000), _Row("aten::addmm", 5_000, 6_000),
             _Row("aten::_scaled_dot_product_flash_attention_for_cpu_backward", 10_000, 12_000),
@@ -358,7 +358,7 @@ def test_kept_time_is_matmuls_attention_convolutions_activations_and_the_optimiz
 def test_the_profiled_bound_sets_the_wait_or_keeps_the_model_eager(bound, wait_s):
     """A bound of 2x leaves the device's wait (its cap is MAX_SPEEDUP); 1.25x needs a
     longer wait to repay a first compile; 1.02x, under the margin, never compiles."""
-    from comera_compile.compile.measured import MIN_COMPILE_S, WAIT_S
+    from comera_compile.compile.policy.measured import MIN_COMPILE_S, WAIT_S
 
     assert MIN_COMPILE_S == 15.0
     model, ran = _install(0.0, 0.0)
@@ -378,7 +378,7 @@ def test_the_profiled_bound_sets_the_wait_or_keeps_the_model_eager(bound, wait_s
 def test_a_step_profile_ends_with_the_optimizer_step_and_counts_the_rest_as_kept():
     """The profiler stops when the optimizer's step ends (the loop's own work runs
     unprofiled) and that work counts as kept time: a long one brings the bound to 1."""
-    from comera_compile.compile.step_bound import StepProfile
+    from comera_compile.compile.policy.step_bound import StepProfile
 
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -401,7 +401,7 @@ def test_a_step_profile_ends_with_the_optimizer_step_and_counts_the_rest_as_kept
 def test_a_profile_left_running_at_exit_is_stopped():
     """torch's profiler left running crashes the interpreter at exit; a step profile
     whose optimizer step and next call never came is stopped first."""
-    code = "from comera_compile.compile.step_bound import StepProfile\nStepProfile()\n"
+    code = "from comera_compile.compile.policy.step_bound import StepProfile\nStepProfile()\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
 

@@ -57,7 +57,7 @@ def saved_mib_and_grads(memory: str):
 
 
 def test_low_memory_saves_under_half_the_activations_with_exact_gradients(monkeypatch):
-    from comera_compile.compile import recompute
+    from comera_compile.compile.graph import recompute
 
     monkeypatch.setattr(recompute, "WIDE", 0)  # this small model's products are all narrow
     default, _, _ = saved_mib_and_grads("default")
@@ -123,7 +123,7 @@ def test_low_memory_under_inductor_draws_each_dropout_mask_once():
     with profile() as prof:
         F.cross_entropy(compiled(ids), labels).backward()
     keys = {e.key: e.count for e in prof.key_averages()}
-    assert "aten::bernoulli_" not in keys  # masks are hashed from keys (compile.dropout)
+    assert "aten::bernoulli_" not in keys  # masks are hashed from keys (compile.cpu.dropout)
     assert keys["aten::randint"] == 4  # embeddings, attention probabilities, two residuals
 
 
@@ -150,7 +150,7 @@ def test_low_memory_recomputes_the_wide_outputs_of_thin_products(monkeypatch):
     GELU of it are remade from the 32 x 4 factor in backward, not kept; by default they are
     kept. The gradients are the same. (The output is far below ``WIDE``, the size from
     which a real model's products are remade, so the test lowers it.)"""
-    from comera_compile.compile import recompute
+    from comera_compile.compile.graph import recompute
 
     monkeypatch.setattr(recompute, "WIDE", 0)
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def test_low_memory_keeps_thin_products_too_small_to_repay_their_recomputation()
     the 32 x 256 output is kept, as by default, and marking finds nothing to remake."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from comera_compile.compile import recompute
+    from comera_compile.compile.graph import recompute
 
     assert 32 * 256 * 4 < recompute.WIDE
     torch.manual_seed(0)

@@ -1,11 +1,11 @@
-"""Row sums split into blocks of rows in CPU graphs (compile.reductions)."""
+"""Row sums split into blocks of rows in CPU graphs (compile.cpu.reductions)."""
 
 import pytest
 import torch
 from models import assert_compiled_gradients_match_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import comera_compile.compile.reductions as reductions
+import comera_compile.compile.cpu.reductions as reductions
 from comera_compile.nn import TTLinear
 
 aten = torch.ops.aten

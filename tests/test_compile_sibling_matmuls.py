@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from comera_compile.compile import compile_model
-from comera_compile.compile.sibling_matmuls import MAX_WIDTH, fuse_sibling_matmuls
+from comera_compile.compile.graph.sibling_matmuls import MAX_WIDTH, fuse_sibling_matmuls
 from comera_compile.nn import CoLALinear, LowRankLinear
 
 
@@ -102,7 +102,7 @@ def test_comera_backend_joins_cola_siblings_and_can_be_turned_off():
     model = SwiGLUAttentionInputs()
     x, proj = torch.randn(2, 4, 32), torch.randn(32)
     want = _values_and_grads(model, x, proj)
-    from comera_compile.compile import sibling_matmuls
+    from comera_compile.compile.graph import sibling_matmuls
 
     for join, joined in ((True, 4), (False, 0)):
         before = sibling_matmuls.products_joined()
@@ -138,8 +138,8 @@ class Blocks(nn.Module):
 
 
 def test_symbolic_ranks_join_and_survive_a_cut_without_a_new_graph():
-    from comera_compile.compile import sibling_matmuls
     from comera_compile.compile.backend import graphs_compiled
+    from comera_compile.compile.graph import sibling_matmuls
 
     torch.manual_seed(0)
     model = Blocks()
@@ -226,8 +226,8 @@ def test_lowrank_siblings_stay_planned_where_the_plan_would_not_start_from_x():
 
 
 def test_lowrank_siblings_with_symbolic_ranks_survive_a_cut_without_a_new_graph():
-    from comera_compile.compile import sibling_matmuls
     from comera_compile.compile.backend import graphs_compiled
+    from comera_compile.compile.graph import sibling_matmuls
 
     torch.manual_seed(0)
     model = nn.Sequential(LowRankSiblings(), LowRankSiblings())

@@ -5,7 +5,7 @@ import torch._inductor.lowering  # noqa: F401  (registers the dtype rules, as a 
 from torch._inductor.dtype_propagation import DtypePropagationOpsHandler as Handler
 from torch._inductor.utils import op_dtype_propagation_rules
 
-from comera_compile.compile.dtype_rules import dtype_rules_once
+from comera_compile.compile.cpu.dtype_rules import dtype_rules_once
 
 
 def test_the_rule_table_is_built_once_and_again_when_the_registries_change():

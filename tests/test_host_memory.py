@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import comera_compile.compile as cc
-from comera_compile.compile import host_memory
-from comera_compile.compile.host_memory import (
+from comera_compile.compile.cpu import host_memory
+from comera_compile.compile.cpu.host_memory import (
     host_memory_mode,
     reusing_freed_host_memory,
     set_host_memory,
@@ -43,7 +43,7 @@ def _no_real_mallopt(monkeypatch):
 
 FAULTS = """
 import resource, torch
-from comera_compile.compile.host_memory import set_host_memory
+from comera_compile.compile.cpu.host_memory import set_host_memory
 
 def faults_per_step(steps=4):
     # minor page faults per 'step' that allocates, touches and frees an 8 MiB tensor
@@ -73,7 +73,7 @@ def test_reuse_removes_the_page_faults_of_a_repeated_large_allocation():
 
 RELEASE = """
 import torch
-from comera_compile.compile.host_memory import release_free_heap, set_host_memory
+from comera_compile.compile.cpu.host_memory import release_free_heap, set_host_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:
@@ -112,7 +112,7 @@ def test_host_memory_option_is_checked_at_the_door():
 
 MODES = """
 import sys, torch
-from comera_compile.compile.host_memory import host_memory_mode, set_host_memory
+from comera_compile.compile.cpu.host_memory import host_memory_mode, set_host_memory
 
 def rss_mb():
     with open("/proc/self/statm") as f:
@@ -140,7 +140,7 @@ DEFAULTS = """
 import json, torch
 from torch import nn
 import comera_compile as cc
-from comera_compile.compile import block_cache, host_memory
+from comera_compile.compile.cpu import block_cache, host_memory
 
 calls = []
 real = host_memory._mallopt
@@ -187,8 +187,8 @@ def test_default_compile_leaves_the_allocator_and_malloc_settings_alone():
 
 OPT_IN = """
 import json, torch
-from comera_compile.compile import block_cache
-from comera_compile.compile.host_memory import (
+from comera_compile.compile.cpu import block_cache
+from comera_compile.compile.cpu.host_memory import (
     host_memory_mode, reusing_freed_host_memory, restore_host_memory)
 from comera_compile.nn import TTLinear
 
@@ -210,7 +210,7 @@ print(json.dumps(out))
 
 @glibc_only
 def test_cpu_graphs_take_the_host_memory_mode_asked_for_and_only_then():
-    from comera_compile.compile import block_cache
+    from comera_compile.compile.cpu import block_cache
 
     if block_cache._library() is None:
         pytest.skip("the block cache cannot be built here")

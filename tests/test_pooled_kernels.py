@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._inductor.utils import fresh_cache
 
-from comera_compile.compile import pooled_kernels as pk
+from comera_compile.compile.cpu import pooled_kernels as pk
 
 
 def _several_kernels(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,7 @@ def test_dead_share_counts_what_a_cut_would_remove():
 def _measured(model, compile_s: float, gain_s: float):
     """A measured compile whose training race is already decided: compiled, with the given
     first-compile cost and gain per step (the compiled call itself runs eager here)."""
-    from comera_compile.compile.measured import COMPILED, TRAINING, MeasuredCompile
+    from comera_compile.compile.policy.measured import COMPILED, TRAINING, MeasuredCompile
 
     impl = MeasuredCompile(model, lambda *a, **k: model._call_impl(*a, **k))
     race = impl.races[TRAINING]

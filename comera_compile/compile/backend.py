@@ -12,10 +12,10 @@ holds one recognisable node per tensorized layer. The backend
    so the plans picked while lowering use them), and computes each scaled-dot-product
    attention whose Q, K, V and O are TT, low-rank or CoLA layers (CoLA's plain matmuls
    are found by the graph reading a ``cores`` parameter) through their rank bonds where
-   the bonds are narrower than the heads (``compile.absorbed_attention``: the model-wide
+   the bonds are narrower than the heads (``compile.graph.absorbed_attention``: the model-wide
    Q, K, V are never made and each head's matmuls contract the bond, not the head width),
    and joins thin products of one activation by several weights into one product
-   (``compile.sibling_matmuls``: CoLA's Q, K, V first factors, gate and up);
+   (``compile.graph.sibling_matmuls``: CoLA's Q, K, V first factors, gate and up);
 3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
    plan's pairwise program for the rows' bucket (a symbolic batch is guarded to the
    region of buckets that one plan serves, so one graph serves every batch size in it),
@@ -24,26 +24,26 @@ holds one recognisable node per tensorized layer. The backend
    On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
    costs more CPU time there (``python benchmarks/kernels.py``, dropout section), and
    hashes dropout masks from element indices and two random keys per call
-   (``compile.dropout``): computed inside the kernel that applies them, on every core,
+   (``compile.cpu.dropout``): computed inside the kernel that applies them, on every core,
    with no random buffer. The masks are alike in distribution, not identical to eager's.
 4. with a memory budget below 1, marks random nodes saved for backward first
-   (``compile.recompute``): a recomputed dropout would draw a new mask. On CPU, at every
+   (``compile.graph.recompute``): a recomputed dropout would draw a new mask. On CPU, at every
    budget, it saves the keys of the hashed masks and marks the masks recomputed: backward
    rehashes each one in its own kernel and no mask is stored.
 5. on CPU, with ``host_memory`` asked for (off by default: nothing process-wide changes
    unless asked), keeps freed large blocks by size for the next step's requests of that
-   size (``"cache"``, ``compile.host_memory``): otherwise every step maps its large
+   size (``"cache"``, ``compile.cpu.host_memory``): otherwise every step maps its large
    activations anew and pays a page fault per 4 KiB page. The setting is process-wide:
    the first compile that asks for one sets it, and a later one asking for another warns
    and leaves it. On CPU, each compiled forward and backward then hands the memory the
    compiler freed back to the OS (``malloc_trim``, a one-off call).
 6. on CPU, splits the backward's sums over many rows (bias and LayerNorm gradients)
-   into sums over blocks of rows (``compile.reductions``): inductor's one-pass loop for
+   into sums over blocks of rows (``compile.cpu.reductions``): inductor's one-pass loop for
    them takes three times aten's time; and turns thin weight-gradient matmuls
    (``h.T @ dy`` with a rank-wide ``h``) into their transposed problem, which MKL runs
-   faster (``compile.matmul_orientation``).
+   faster (``compile.cpu.matmul_orientation``).
 7. on CPU, builds each generated module's kernels in one compiler run per compile worker
-   rather than one per kernel (``compile.pooled_kernels``): the precompiled ATen header
+   rather than one per kernel (``compile.cpu.pooled_kernels``): the precompiled ATen header
    loads once per run, not once per kernel.
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
@@ -68,20 +68,20 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from comera_compile.compile import matmul_orientation, reductions
-from comera_compile.compile.absorbed_attention import absorb_attention
-from comera_compile.compile.dropout import DropoutTag, hash_dropouts, may_drop_out
-from comera_compile.compile.dropout import decompositions as dropout_decompositions
-from comera_compile.compile.dtype_rules import dtype_rules_once
-from comera_compile.compile.host_memory import (
+from comera_compile.compile.cpu import matmul_orientation, reductions
+from comera_compile.compile.cpu.dropout import DropoutTag, hash_dropouts, may_drop_out
+from comera_compile.compile.cpu.dropout import decompositions as dropout_decompositions
+from comera_compile.compile.cpu.dtype_rules import dtype_rules_once
+from comera_compile.compile.cpu.host_memory import (
     host_memory_mode,
     release_free_heap,
     set_host_memory,
 )
+from comera_compile.compile.cpu.pooled_kernels import pooled_kernels
+from comera_compile.compile.graph.absorbed_attention import absorb_attention
+from comera_compile.compile.graph.recompute import SaveRandomValues, partition_keeping_random
+from comera_compile.compile.graph.sibling_matmuls import fuse_sibling_matmuls
 from comera_compile.compile.options import BackendOptions, parse_options
-from comera_compile.compile.pooled_kernels import pooled_kernels
-from comera_compile.compile.recompute import SaveRandomValues, partition_keeping_random
-from comera_compile.compile.sibling_matmuls import fuse_sibling_matmuls
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
 log = logging.getLogger("comera_compile")
@@ -188,7 +188,7 @@ def _warn_host_memory(in_effect: str, asked: str) -> None:
     warnings.warn(
         f"comera backend: host memory is process-wide and host_memory={in_effect!r} is in "
         f"effect for every model in this process; this model's host_memory={asked!r} is not "
-        "applied. Call comera_compile.compile.host_memory.set_host_memory(mode) or "
+        "applied. Call comera_compile.compile.cpu.host_memory.set_host_memory(mode) or "
         "restore_host_memory() to change it for the whole process",
         UserWarning,
         stacklevel=3,
@@ -270,7 +270,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
             config["joint_custom_pre_pass"] = SaveRandomValues(low_memory=opts.memory < 1,
                                                                cpu=not cuda)
         # On CPU, inductor's own dropout RNG is slower than aten's: aten's random numbers,
-        # and dropout masks hashed from element indices (compile.dropout); its tag keys the
+        # and dropout masks hashed from element indices (compile.cpu.dropout); its tag keys the
         # caches.
         config.setdefault("fallback_random", not cuda)
         decompositions = None
@@ -279,7 +279,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
             hash_dropouts(gm)  # traced as hashed masks: no table needed for these
             if may_drop_out(gm):  # a table handed in keeps the graph out of inductor's cache
                 decompositions = dropout_decompositions(config["fallback_random"])
-        if not cuda:  # row sums in blocks (compile.reductions), thin matmuls turned around
+        if not cuda:  # row sums in blocks (compile.cpu.reductions), thin matmuls turned around
             config.setdefault("post_grad_custom_pre_pass", CpuPostGradPasses())
         return compile_fx(gm, example_inputs, config_patches=config,
                           decompositions=decompositions,
@@ -288,8 +288,8 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
 
 class CpuPostGradPasses(CustomGraphPass):
     """Inductor's post-grad pass slot for CPU graphs: row sums in blocks
-    (``compile.reductions``), then thin weight-gradient matmuls turned around
-    (``compile.matmul_orientation``). Its uuid (both files' hashes) keys inductor's caches."""
+    (``compile.cpu.reductions``), then thin weight-gradient matmuls turned around
+    (``compile.cpu.matmul_orientation``). Its uuid (both files' hashes) keys inductor's caches."""
 
     def __call__(self, graph: fx.Graph) -> None:
         reductions.split_row_sums(graph)

@@ -8,15 +8,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.blocks import (
+from comera_compile.compile.options import parse_options
+from comera_compile.compile.policy.blocks import (
     BlockCompile,
     repeated_blocks,
     shared_blocks,
     why_not_blocks,
 )
-from comera_compile.compile.measured import MeasuredCompile
-from comera_compile.compile.options import parse_options
-from comera_compile.compile.rank_dims import SymbolicRanks
+from comera_compile.compile.policy.measured import MeasuredCompile
+from comera_compile.compile.policy.rank_dims import SymbolicRanks
 from comera_compile.config import CompileOptions
 
 RECOMPILE_LIMIT = 64
@@ -48,16 +48,16 @@ def compile_model(
     rather than on the first forward. ``inplace=True`` compiles the model in place, as
     ``model.compile`` does (see :func:`_entry`), and returns ``model`` itself (its class
     is kept). ``measure=True`` (in place only) times the first training (and inference)
-    steps compiled against eager and keeps the faster (``compile.measured``).
+    steps compiled against eager and keeps the faster (``compile.policy.measured``).
     ``blocks`` (in place only): compile the model's repeated blocks, one graph for blocks
-    of equal shapes, and run the rest eager (``compile.blocks``: the first compile grows far
+    of equal shapes, and run the rest eager (``compile.policy.blocks``: the first compile grows far
     less with depth); None: where each graph would serve three blocks or more
-    (``compile.blocks.blocks_pay``, ranks apart where they are symbolic), and the whole
+    (``compile.policy.blocks.blocks_pay``, ranks apart where they are symbolic), and the whole
     model otherwise; True: the blocks, or an
     error where there are none; False: the whole model. A ``CompileOptions`` carries it as
     ``blocks``. ``symbolic_ranks`` (in place only): True: the graphs keep the TT layers'
     rank bonds symbolic, so a rank cut or a block of other ranks needs no new graph
-    (``compile.rank_dims``); False: graphs specialised to the ranks (faster steps, a
+    (``compile.policy.rank_dims``); False: graphs specialised to the ranks (faster steps, a
     recompile per cut); None: symbolic where a measured compile learns that the run will
     cut ranks (``MeasuredCompile.expect_cuts``), else static. A ``CompileOptions``
     carries it too.

@@ -42,7 +42,7 @@ class BackendOptions:
     autograd's fraction of activations kept (any budget below 1 recomputes thin products too).
     ``host_memory``: ``"off"`` (the default; None means the same) leaves torch's CPU
     allocator and glibc's ``malloc`` settings alone. The others change the whole process,
-    not only this model (``compile.host_memory``): ``"cache"`` keeps freed blocks of 1 MiB
+    not only this model (``compile.cpu.host_memory``): ``"cache"`` keeps freed blocks of 1 MiB
     or more by size for the next request of that size (a C++ allocator installed as
     torch's CPU allocator), ``"reuse"`` keeps freed blocks in glibc's heap (both: each
     step's large activations are not mapped and faulted in anew, for more resident
@@ -51,9 +51,9 @@ class BackendOptions:
     that asks for a mode sets it; a later one asking for another warns and leaves it.
     ``absorb_attention``: compute attentions whose Q, K, V and O are TT, low-rank or CoLA
     layers through their rank bonds where that costs fewer flops
-    (``compile.absorbed_attention``; default on).
+    (``compile.graph.absorbed_attention``; default on).
     ``join_products``: compute thin products of one activation by several weights (CoLA's
-    Q, K, V or gate and up factors) as one product (``compile.sibling_matmuls``; default on).
+    Q, K, V or gate and up factors) as one product (``compile.graph.sibling_matmuls``; default on).
     ``config``: inductor config patches."""
 
     cudagraphs: bool | None = None

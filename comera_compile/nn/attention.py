@@ -174,7 +174,7 @@ class SplitMultiheadAttention(nn.Module):
         in ``(batch, position)`` order, viewed as heads as in the common
         ``q(x).view(b, t, h, d).transpose(1, 2)`` form (no layout copies of Q, K and V, and
         the compiled form can compute it through rank bonds:
-        ``compile.absorbed_attention``)."""
+        ``compile.graph.absorbed_attention``)."""
         bsz, tgt_len, _ = query.shape
         src_len, heads, head_dim = key.shape[1], self.num_heads, self.head_dim
         q = self.q_proj(query).view(bsz, tgt_len, heads, head_dim).transpose(1, 2)

@@ -42,7 +42,7 @@ def aligned_rank(rank: int, device_type: str = "cpu") -> int:
 def bond_padding(cores: Sequence[Tensor], rows: int | torch.SymInt) -> list[int]:
     """How many zero slices each internal bond of the chain ``cores`` gets (0: none): up to
     its :func:`aligned_rank` when the contraction runs over more than ``MIN_ROWS`` rows."""
-    # a symbolic bond (``compile.rank_dims``) is left as it is: its padding would guard it
+    # a symbolic bond (``compile.policy.rank_dims``) is left as it is: its padding would guard it
     extras = [aligned_rank(c.shape[0], c.device.type) - c.shape[0] if is_static(c.shape[0])
               else 0 for c in cores[1:]]
     # compare the rows only where a bond would be padded: on a symbolic count the

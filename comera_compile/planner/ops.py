@@ -69,7 +69,7 @@ def row_bucket(rows: int | torch.SymInt) -> int:
 
 def _bond_ranks(cores: Sequence[Tensor]) -> list[int]:
     """``[1, r_1, .., 1]`` from the cores' right bonds (a pruned layer plans at its new ranks).
-    A symbolic bond (``compile.rank_dims``) is read through its hint, without a guard: the
+    A symbolic bond (``compile.policy.rank_dims``) is read through its hint, without a guard: the
     graph's program is planned at today's ranks and runs at any others."""
     return [1, *(symbolic_hint(c.shape[-1]) for c in cores[:-1]), 1]
 

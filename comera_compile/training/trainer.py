@@ -12,7 +12,7 @@ channels are frozen at exactly zero (with their optimizer state, so momentum can
 them back), channels are pruned for real every ``prune_every`` steps (100 by default), at
 the stage switch and where the run needs its final shapes, the late stage starts when due,
 and the history is recorded. ``optimize``'s compiled models keep their ranks symbolic
-(``compile.rank_dims``): a cut compiles nothing, and they are cut as often as eager ones.
+(``compile.policy.rank_dims``): a cut compiles nothing, and they are cut as often as eager ones.
 A model compiled at static ranks recompiles at each cut, so it is cut only once a third of
 its core parameters are dead (``COMPILED_MIN_CUT``) and where the run needs its final
 shapes: a few compiles per run, not one per prune. Where ``optimize``'s measured compile

@@ -22,7 +22,7 @@ partitioner may lift its own ban on recomputing random ops (dropout) to meet the
 On CPU nothing replays the random stream, so the backward would draw a *new* dropout mask
 and compute gradients of a forward that never ran. Marking the random values ``MUST_SAVE``
 in the joint graph, before partitioning, keeps each dropout's randomness and lets the
-budget recompute everything around it. The CPU dropout of ``compile.dropout`` draws only
+budget recompute everything around it. The CPU dropout of ``compile.cpu.dropout`` draws only
 two keys per call and hashes the mask from them, so its keys are kept and its mask is
 recomputed in backward (no mask is stored; the backend marks this at every budget on
 CPU). A mask drawn per element is kept instead, as bits (:func:`pack_saved_masks`: one
@@ -52,7 +52,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
-from comera_compile.compile.graph_nodes import call_with_value
+from comera_compile.compile.graph.graph_nodes import call_with_value
 from comera_compile.planner.ops import symbolic_hint
 
 THIN = 48  # a matmul contracting at most this many indices is cheap to redo (TT bonds)
@@ -172,7 +172,7 @@ def save_random_values(graph: fx.Graph) -> int:
     alone. Two cases:
 
     * drawn from **keys** (a random node under :data:`SMALL` bytes, such as the two keys
-      per call that ``compile.dropout`` hashes each element's index with): the keys are
+      per call that ``compile.cpu.dropout`` hashes each element's index with): the keys are
       saved and everything computed from them (the mask) is marked recomputed, so no mask
       is stored at all and backward rehashes it inside its own kernel;
     * drawn **per element** (aten's ``bernoulli``, ``rand``): each such value that

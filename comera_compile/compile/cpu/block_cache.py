@@ -4,7 +4,7 @@ A training step allocates the same large activations in the same sizes every ste
 either unmaps each freed block at once (every step then pays a page fault per 4 KiB page it
 touches anew; ``python benchmarks/step.py`` prints the faults per step of each row)
 or keeps it in its heap, where blocks of many sizes freed in a new order leave holes that
-raise the resident peak above what is live (``compile.host_memory``).
+raise the resident peak above what is live (``compile.cpu.host_memory``).
 
 This allocator maps each block of ``min_bytes`` or more on its own (no heap, so no holes)
 and, when it is freed, keeps it for the next request of exactly that size. Since a step

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from comera_compile.compile.graph_nodes import call_with_value
+from comera_compile.compile.graph.graph_nodes import call_with_value
 
 aten = torch.ops.aten
 

@@ -22,7 +22,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 
-from comera_compile.compile.graph_nodes import call_with_value
+from comera_compile.compile.graph.graph_nodes import call_with_value
 
 aten = torch.ops.aten
 

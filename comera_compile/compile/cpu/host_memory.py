@@ -10,7 +10,7 @@ torch's CPU allocator and glibc's ``malloc`` settings as they are. The other mod
 the whole process, every model and tensor in it, not only the model compiled with them:
 
 - ``"cache"``: blocks of 1 MiB or more are mapped one by one and kept, when freed, for the
-  next request of the same size (``compile.block_cache``, a small C++ allocator built on
+  next request of the same size (``compile.cpu.block_cache``, a small C++ allocator built on
   first use and installed with ``c10::SetCPUAllocator``); smaller blocks stay in glibc's
   heap, whose thresholds are raised as under ``"reuse"``. No faults in steady state and no
   heap holes around large blocks; the cost is resident memory up to 1.5x the peak in use
@@ -44,7 +44,7 @@ import functools
 import logging
 import sys
 
-from comera_compile.compile import block_cache
+from comera_compile.compile.cpu import block_cache
 
 log = logging.getLogger("comera_compile")
 

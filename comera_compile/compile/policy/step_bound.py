@@ -15,13 +15,13 @@ training step profiled with torch's profiler,
 
 is the speedup a compiled step would reach if the rest took no time at all: no compiled
 step of the same kernels beats it. (An attention computed through its rank bonds,
-``compile.absorbed_attention``, runs no attention kernel at all: there the compiled step
+``compile.graph.absorbed_attention``, runs no attention kernel at all: there the compiled step
 can beat the bound, which then errs on the side of staying eager.)
 
 :class:`StepProfile` profiles a step from its forward call until the optimizer's step
 ends, so the profiler does not run on past the step; the rest of the step's period (the
 loop's own work) counts as kept.
-:class:`~comera_compile.compile.measured.MeasuredCompile` profiles one eager step (of its
+:class:`~comera_compile.compile.policy.measured.MeasuredCompile` profiles one eager step (of its
 wait, or of a known run's first steps), divides the next, unprofiled, step's time by the
 kept time (the profiler adds its own time to every op it records), and neither
 compiles a model whose bound is under the margin it asks of a compiled step, nor waits or

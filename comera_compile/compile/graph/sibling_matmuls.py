@@ -50,7 +50,7 @@ _VIEW_METHODS = {"reshape", "view", "to", "contiguous", "t", "float", "half", "b
 _VIEW_FUNCTIONS = {torch.reshape, torch.t, operator.getitem, torch.Tensor.to}
 # a gated or padded core is still a weight: the rank gate (``core * hardshrink(gate)``)
 # and the bond padding (``planner.alignment``) read parameters only, and a reshape to a
-# symbolic rank (``compile.rank_dims``) builds its ``torch.Size`` from the rank's symbol
+# symbolic rank (``compile.policy.rank_dims``) builds its ``torch.Size`` from the rank's symbol
 _WEIGHT_FUNCTIONS = {operator.mul, torch.mul, torch.hardshrink, F.pad, torch._C._nn.pad,
                      torch.Size}
 _WEIGHT_METHODS = {"mul", "hardshrink"}
@@ -115,7 +115,7 @@ def _thin_weight_product(node: fx.Node) -> bool:
         return False
     if a.dim() < 2 or b.dim() != 2 or a.dtype != b.dtype or a.device != b.device:
         return False
-    width = b.shape[1]  # a symbolic width is a rank kept symbolic (compile.rank_dims): thin
+    width = b.shape[1]  # a symbolic width is a rank kept symbolic (compile.policy.rank_dims): thin
     if isinstance(width, int) and width > MAX_WIDTH:
         return False
     return _weight_chain(node.args[1]) is not None

@@ -28,7 +28,7 @@ graph's first compile took 28-64 s (``python benchmarks/compiled.py``, "compile 
 steps at most 1.43x faster. So eager steps are timed first, and the model compiles only if
 the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
 steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
-On CPU one of those eager steps is profiled (``compile.step_bound``), and the estimate is
+On CPU one of those eager steps is profiled (``compile.policy.step_bound``), and the estimate is
 then what a compile is expected to save, not the most it could: the share of the bound's
 removable time compiled steps have removed (``REALIZED``), of the blocks that compile,
 against a typical first compile (``FIRST_COMPILE_S``). A run that is expected to lose time
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.blocks import shared_blocks, why_not_blocks
-from comera_compile.compile.rank_dims import SymbolicRanks, symbolic_layers
-from comera_compile.compile.step_bound import StepProfile, speedup_bound
+from comera_compile.compile.policy.blocks import shared_blocks, why_not_blocks
+from comera_compile.compile.policy.rank_dims import SymbolicRanks, symbolic_layers
+from comera_compile.compile.policy.step_bound import StepProfile, speedup_bound
 from comera_compile.nn import TensorizedLayer
 
 log = logging.getLogger("comera_compile")
@@ -85,7 +85,7 @@ from an empty cache (28 s on a 2-core CPU, ``benchmarks/results/compiled.md``), 
 for faster machines. Gains under this cannot pay for compiling."""
 
 REALIZED = 0.3
-"""The share of a profiled step's removable time (``compile.step_bound``) a compiled CPU step
+"""The share of a profiled step's removable time (``compile.policy.step_bound``) a compiled CPU step
 is expected to remove. Measured: 0.25-0.70 over four models (``python benchmarks/compiled.py``,
 "default / eager" against "bound"), 0.22 over a whole rank-adaptive LLaMA run whose cuts
 shrink the kept kernels' time while the graph's own stays (``python benchmarks/pretrain.py
@@ -214,7 +214,7 @@ class MeasuredCompile:
                  wait_s: float | None = None, blocks: SymbolicRanks | None = None,
                  blocks_required: bool = False, symbolic_ranks: bool | None = None) -> None:
         self.model, self.compiled, self.trials = model, compiled, trials
-        self.blocks = blocks  # the model's blocks compiled (compile.blocks), where they pay
+        self.blocks = blocks  # the model's blocks compiled (compile.policy.blocks), where they pay
         self.blocks_required = blocks_required  # blocks=True: blocks whatever the rule
         self.symbolic_ranks = symbolic_ranks  # None: symbolic where the run cuts ranks
         self._whole_why = ""  # why the default did not take the model's blocks
@@ -305,7 +305,7 @@ class MeasuredCompile:
     def cuts_recompile(self) -> bool:
         """Whether a rank cut changes the compiled graphs' shapes: their ranks are static,
         or a tensorized layer they trace keeps static ranks (an embedding table;
-        ``compile.rank_dims``)."""
+        ``compile.policy.rank_dims``)."""
         return _recompiles(self.compiled_form, self.model)
 
     @property
@@ -345,7 +345,7 @@ class MeasuredCompile:
 
     def _eager_training_call(self, start: float) -> None:
         """An eager training call starts at ``start``, ending the period of the one before.
-        Two periods give the bound (``compile.step_bound``): a profiled one, the time that
+        Two periods give the bound (``compile.policy.step_bound``): a profiled one, the time that
         compiled code keeps; the step's time is the shorter of it and the next, unprofiled,
         one (the profiler adds its own time to every op it records, and reading its results
         takes a while; other work on the machine adds to either)."""
@@ -382,7 +382,7 @@ class MeasuredCompile:
                 f"{MARGIN:.2f}x it must gain): {1 / self.bound:.0%} of an eager step is in "
                 "matrix products, attention, convolutions, transcendental activations, the "
                 "optimizer and the loop's own work, which compiled code runs as eager does "
-                "(compile.step_bound)")
+                "(compile.policy.step_bound)")
 
     @property
     def compiled_share(self) -> float:

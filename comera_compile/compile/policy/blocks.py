@@ -11,7 +11,7 @@ the depth (``python benchmarks/compile_scope.py``).
 What runs outside the blocks (embeddings, the head, the loss) stays eager and nothing is
 fused across two blocks, so the step runs a few percent slower than the whole model's
 graph. Blocks whose ranks differ (``optimize`` gives each layer its own under a budget;
-pruning cuts them apart) share a graph where ranks are symbolic (``compile.rank_dims``),
+pruning cuts them apart) share a graph where ranks are symbolic (``compile.policy.rank_dims``),
 and need one each where they are static. So by default only blocks whose shapes
 ``MIN_SHARED`` blocks or more share are compiled (``shared_blocks``): there the saving is
 large enough that the slower step takes thousands of steps to give it back (``python
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_compile.compile.rank_dims import bond_dims, symbolic_layers
+from comera_compile.compile.policy.rank_dims import bond_dims, symbolic_layers
 from comera_compile.nn import TensorizedLayer
 
 
@@ -74,7 +74,7 @@ MIN_SHARED = 3
 
 def _shapes(block: nn.Module, symbolic_ranks: bool) -> tuple:
     """What a block's graph is specialised to: its parameter and buffer shapes, the bonds
-    of its planned layers left out where they are symbolic (``compile.rank_dims``)."""
+    of its planned layers left out where they are symbolic (``compile.policy.rank_dims``)."""
     bonds = {}
     if symbolic_ranks:
         bonds = {id(t): dims for layer in symbolic_layers(block) for t, dims in bond_dims(layer)}

@@ -6,7 +6,7 @@ singleton (``__new__`` returns one instance) but Python runs ``__init__`` on eve
 construction, and that ``__init__`` rebuilds the whole rule table: a ``functools.partial``
 per op, ``setattr``, then ``dir(self)`` to check that no op lacks a rule. Its share of a
 first compile grows with the ops per kernel: small for plain transformer blocks, largest
-where hashed dropout masks (``compile.dropout``) put a few dozen integer ops into each
+where hashed dropout masks (``compile.cpu.dropout``) put a few dozen integer ops into each
 kernel that applies one (``python benchmarks/pooled_kernels.py`` times first compiles with
 and without it).
 
