@@ -1,19 +1,36 @@
-"""The ``comera`` torch.compile backend and whole-step CUDA Graph capture of training."""
+"""The ``comera`` torch.compile backend, the compiled-model wrapper and whole-step CUDA
+Graph capture of training.
 
-from comera_compile.compile.backend import comera_backend, graphs_compiled, tensorized_nodes
-from comera_compile.compile.model import compile_model
-from comera_compile.compile.options import BackendOptions, parse_options
-from comera_compile.compile.train_step import TrainStep, capture_train_step
-from comera_compile.planner.ops import traced_plans
+``graph/`` holds the rewrites that hold on every device, ``cpu/`` the CPU-only passes and
+process-wide memory settings, ``policy/`` when and what to compile. The names below load
+on first use: importing this package does not import inductor.
+"""
 
-__all__ = [
-    "BackendOptions",
-    "TrainStep",
-    "capture_train_step",
-    "comera_backend",
-    "compile_model",
-    "graphs_compiled",
-    "parse_options",
-    "tensorized_nodes",
-    "traced_plans",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from comera_compile.compile.state import CompiledState, compiled_state
+
+_LAZY = {
+    "BackendOptions": "comera_compile.compile.options",
+    "parse_options": "comera_compile.compile.options",
+    "comera_backend": "comera_compile.compile.backend",
+    "graphs_compiled": "comera_compile.compile.backend",
+    "tensorized_nodes": "comera_compile.compile.backend",
+    "compile_model": "comera_compile.compile.model",
+    "TrainStep": "comera_compile.compile.train_step",
+    "capture_train_step": "comera_compile.compile.train_step",
+    "traced_plans": "comera_compile.planner.ops",
+}
+
+__all__ = ["CompiledState", "compiled_state", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from comera_compile.compile.state import compiled_state
 from comera_compile.nn import TensorizedLayer, TiedEmbeddingHead, TTEmbedding
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
@@ -222,13 +223,7 @@ def _advice(report: OptimizeReport | None, records: list[dict[str, Any]]) -> str
 
 def _compiled(model: nn.Module) -> str:
     """How the model runs: the measured compile's account, or plain facts."""
-    if hasattr(model, "_orig_mod"):
-        return "wrapped by torch.compile"
-    impl = getattr(model, "_compiled_call_impl", None)
-    if impl is None:
-        return ""
-    describe = getattr(impl, "describe", None)
-    return describe() if describe is not None else "compiled in place (torch.compile)"
+    return compiled_state(model).description
 
 
 ERROR_WARNING = 0.5  # relative reconstruction error above which optimize warns

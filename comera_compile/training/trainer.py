@@ -61,6 +61,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from comera_compile.compile.state import compiled_state
 from comera_compile.formats import positive_int
 from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
@@ -89,20 +90,13 @@ compiles per run (``1 + log(1 / ratio) / log(3 / 2)`` cuts to reach a size ratio
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model``'s training steps run through ``torch.compile`` (wrapped, or
     compiled in place; not where ``optimize``'s measured compile chose eager)."""
-    model = getattr(model, "module", model)  # DDP
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        return True
-    impl = getattr(model, "_compiled_call_impl", None)
-    return impl is not None and getattr(impl, "compiles_training", True)
+    return compiled_state(model).compiled
 
 
 def cuts_recompile(model: nn.Module) -> bool:
     """Whether a rank cut makes ``model``'s training steps compile again: they run compiled
     (``is_compiled``), at static ranks (``MeasuredCompile.cuts_recompile``)."""
-    if not is_compiled(model):
-        return False
-    impl = getattr(getattr(model, "module", model), "_compiled_call_impl", None)
-    return getattr(impl, "cuts_recompile", True)
+    return compiled_state(model).cuts_recompile
 
 
 def _is_sharded(model: nn.Module) -> bool:
@@ -340,8 +334,8 @@ class RankAdaptiveTrainer:
         early stage) where a cut recompiles, else until the run's end. It then compiles
         only if that can pay by then. A run that cuts ranks compiles the whole model rather
         than blocks of static ranks (``MeasuredCompile.expect_cuts``)."""
-        impl = getattr(unwrap(self.model), "_compiled_call_impl", None)
-        if not hasattr(impl, "expect_cuts") or self.prune_every is None:
+        impl = compiled_state(unwrap(self.model)).measured
+        if impl is None or self.prune_every is None:
             return
         impl.expect_cuts()
         if self.total_steps is None:
@@ -355,8 +349,8 @@ class RankAdaptiveTrainer:
         """Before a cut of a model ``optimize`` compiled (its measured compile): keep it
         compiled only if the recompile the cut causes is paid back by the compiled step's
         measured gain over the steps the run has left; else run it eager from now on."""
-        impl = getattr(unwrap(self.model), "_compiled_call_impl", None)
-        if not hasattr(impl, "why_not_recompile") or self.total_steps is None:
+        impl = compiled_state(unwrap(self.model)).measured
+        if impl is None or self.total_steps is None:
             return True
         why = impl.why_not_recompile(self.total_steps - self.steps)
         if not why:
