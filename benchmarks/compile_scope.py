@@ -77,24 +77,24 @@ def build(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
     return dense.train(), x
 
 
-def compiled_copy(dense, eager, x, scope: str):
+def compiled_copy(dense, eager, x, scope: str, off: tuple[str, ...] = ()):
     """``optimize``'s result compiled at once (``compile="always"``) in ``scope``, with
-    ``eager``'s weights."""
+    ``eager``'s weights (the ``CompileOptions`` switches named in ``off`` turned off)."""
     blocks = {"blocks": True, "whole": False}.get(scope)  # else optimize's default
-    config = cc.CompressionConfig(budget=0.05, compile="always",
-                                  compile_options=cc.CompileOptions(blocks=blocks))
+    options = cc.CompileOptions(blocks=blocks, **dict.fromkeys(off, False))
+    config = cc.CompressionConfig(budget=0.05, compile="always", compile_options=options)
     model = cc.optimize(dense, config, example_inputs=(x,))
     model.load_state_dict(eager.state_dict())
     return model
 
 
-def measure(name: str, scope: str, steps: int) -> dict:
+def measure(name: str, scope: str, steps: int, off: tuple[str, ...] = ()) -> dict:
     """In this (fresh) process: the model compiled in ``scope``, its first forward and
     backward timed, outputs and gradients against eager. For ``blocks`` then the whole
     model is compiled too, and eager, whole and blocks steps alternate (medians)."""
     dense, x = build(name)
     eager = cc.optimize(dense, budget=0.05, example_inputs=(x,), compile=False)
-    model = compiled_copy(dense, eager, x, scope)
+    model = compiled_copy(dense, eager, x, scope, off)
     width = output(eager, x).shape[-1]
     proj = torch.randn(width, generator=torch.Generator().manual_seed(1)) / width**0.5
     out_e = output(eager, x)
@@ -137,14 +137,14 @@ def _form(model: torch.nn.Module) -> str:
     return f"{len(compiled)}/{len(repeated_blocks(model))} blocks"
 
 
-def run_cold(name: str, scope: str, steps: int, **env_vars: str) -> dict:
-    """``measure`` in a child process with empty inductor and plan caches (and
-    ``env_vars`` set in its environment)."""
+def run_cold(name: str, scope: str, steps: int, off: tuple[str, ...] = ()) -> dict:
+    """``measure`` in a child process with empty inductor and plan caches (the
+    ``CompileOptions`` switches named in ``off`` turned off)."""
     with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as plans:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, COMERA_CACHE_DIR=plans,
-                   **env_vars)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, COMERA_CACHE_DIR=plans)
         done = subprocess.run(
-            [sys.executable, __file__, "--child", name, scope, "--steps", str(steps)],
+            [sys.executable, __file__, "--child", name, scope, "--steps", str(steps),
+             "--off", ",".join(off)],
             env=env, capture_output=True, text=True, check=False)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode or not lines:
@@ -163,10 +163,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="alternating steps per form")
     p.add_argument("--results-name", default="compile_scope")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "SCOPE"), help=argparse.SUPPRESS)
+    p.add_argument("--off", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     if args.child:
-        print(json.dumps(measure(*args.child, args.steps)))
+        off = tuple(name for name in args.off.split(",") if name)
+        print(json.dumps(measure(*args.child, args.steps, off)))
         return
     build_header()
     header = ["model", "blocks", "shapes", "default", "whole compile s", "blocks compile s",

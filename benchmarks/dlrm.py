@@ -99,9 +99,9 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
         example = tuple(x.to("meta") for x in data.batch(64, seed=HELD_OUT_SEED + 1)[:2])
         include = args.include.split(",") if args.include else None
         exclude = args.exclude.split(",") if args.exclude else None
-        model = cc.optimize(model, args.budget, example_inputs=example, compile=False,
-                            inplace=True, max_rank=args.max_rank, include=include,
-                            exclude=exclude)
+        model = cc.optimize(model, cc.CompressionConfig(budget=args.budget, max_rank=args.max_rank,
+                                                        include=include, exclude=exclude),
+                            example_inputs=example, compile=False, inplace=True)
         opt = Adagrad(model, lr=args.comera_lr)
     else:
         raise ValueError(f"unknown row {row!r}")

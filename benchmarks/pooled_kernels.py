@@ -6,7 +6,8 @@ instead of once per generated op (``comera_compile.compile.cpu.dtype_rules``).
 For each model, ``optimize(budget=0.05)`` compiled at once in the form ``optimize``'s
 default picks (its repeated blocks, or the whole model), the first training forward and
 backward timed in a fresh process with empty inductor and plan caches, three ways in turn:
-both changes off (``COMERA_POOLED_KERNELS=0 COMERA_DTYPE_RULES_ONCE=0``), pooling alone,
+both changes off (``CompileOptions(pooled_kernels=False, dtype_rules_once=False)``),
+pooling alone,
 and both (the default). It prints the times, the ratio of inductor as it is over the
 default, the graphs compiled and the outputs' and gradients' differences against eager (the
 largest of the runs). Models are those of ``benchmarks/compile_scope.py``. Results go to
@@ -41,9 +42,8 @@ def main() -> None:
               "ratio", "out diff", "grad diff"]
     rows = []
     for name in args.models.split(","):
-        runs = [run_cold(name, "default", 0, COMERA_POOLED_KERNELS="0",
-                         COMERA_DTYPE_RULES_ONCE="0"),
-                run_cold(name, "default", 0, COMERA_DTYPE_RULES_ONCE="0"),
+        runs = [run_cold(name, "default", 0, off=("pooled_kernels", "dtype_rules_once")),
+                run_cold(name, "default", 0, off=("dtype_rules_once",)),
                 run_cold(name, "default", 0)]
         times = [r["compile_s"] for r in runs]
         rows.append([name, runs[-1]["form"], runs[-1]["graphs"], *(f"{t:.1f}" for t in times),

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import torch
@@ -75,46 +75,26 @@ def _check_dtypes(candidates) -> None:
             )
 
 
-_OPTIMIZE_DEFAULTS = {
-    "budget": None, "format": None, "init": "random", "max_rank": None, "include": None,
-    "exclude": None, "layer_config": None, "objective": "combo", "autotune": False,
-    "fuse": False, "device": "cpu", "compile": True, "memory": "default", "host_memory": None,
-}
-
-
 def optimize(
     model: nn.Module,
-    budget: float | int | str | Budget | CompressionConfig | None = None,
+    config: CompressionConfig | float | int | str | Budget | None = None,
     *,
-    config: CompressionConfig | None = None,
-    example_inputs: Any = None,
-    include: str | list[str] | None = None,
-    exclude: str | list[str] | None = None,
-    filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    layer_config: dict[str, dict[str, Any]] | None = None,
-    init: str = "random",
+    budget: float | int | str | Budget | None = None,
     format: str | None = None,
-    max_rank: int | None = None,
-    compile: bool | str = True,
-    autotune: bool = False,
+    init: str | None = None,
+    compile: bool | str | None = None,
+    example_inputs: Any = None,
     inplace: bool = False,
-    objective: str = "combo",
-    memory: str | float = "default",
-    host_memory: str | None = None,
-    device: torch.device | str = "cpu",
-    fuse: bool = False,
 ) -> nn.Module:
-    """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` to meet ``budget``.
+    """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` as ``config`` (a
+    :class:`~comera_compile.config.CompressionConfig`, which holds every setting and its
+    default) says.
 
-    ``optimize(model, config)`` (or ``config=``) takes every setting from a
-    :class:`~comera_compile.config.CompressionConfig`; the keyword arguments below are a
-    front that builds one (a keyword set to anything but its default beside a config is
-    refused; keywords at their defaults are ignored there). The config ends up in the model's
-    report and in its checkpoint (:func:`~comera_compile.config.config_of`). Per call, not
-    part of the config: ``example_inputs``, ``filter_fn`` and ``inplace``.
-    ``budget``: a float in (0, 1] is the share of parameters to keep (``1.0``: all), a
-    string ``"40x"`` or ``Budget(ratio=40)`` a compression ratio (40 times smaller), an int
-    a parameter count (ints up to 100 are refused: they read like a share or a ratio).
+    ``budget``, ``format``, ``init`` and ``compile`` are shortcuts over the config's fields
+    of those names: one left at None means "as the config says". A budget given where the
+    config goes (``optimize(model, 0.25)``, ``optimize(model, Budget(ratio=40))``) is read
+    as ``budget``. The config ends up in the model's report and in its checkpoint
+    (:func:`~comera_compile.config.config_of`).
 
     Returns a copy of ``model`` of the same class, with the chosen layers swapped for
     tensorized ones: its methods, attributes, ``isinstance`` and ``train()`` / ``eval()`` all
@@ -123,89 +103,28 @@ def optimize(
     returns a ``torch.fx.GraphModule`` where one is exact (the summary says whether).
     ``example_inputs`` (a tensor, a tuple, or a dict of keyword inputs) lets the passes see
     the forward: layers it never calls stay dense, and flops budgets become possible.
-    ``init="dense"`` starts from a TT-SVD of the current weights (for pretrained models);
-    ``"random"`` trains from scratch, as CoMERA does. ``summary(result)`` tells what happened.
-    ``compile=True`` (the default) compiles the result in place, as
-    ``Module.compile(backend="comera")`` does (the whole model as one graph, or, where it
-    has a stack of repeated blocks, one graph for the blocks of equal shapes and the rest
-    eager: ``compile.policy.blocks``; then one graph per plan region of the batch size and per
-    rank change; the class is kept). It runs eager until eager calls have taken as long as the best
-    compiled step would need to repay a first compile (``compile.policy.measured.WAIT_S``), so a
-    short run never compiles; then it times training steps compiled against eager and
-    keeps the faster, so compiling never leaves a model slower (``summary`` says which
-    runs, with the measured ratio); ``compile="always"`` compiles at once, without timing;
-    ``compile=False`` returns the eager module.
-    ``format="auto"`` (with ``init="dense"`` and ``example_inputs``) sizes the layers in low
-    rank, then gives each Linear layer the format (low rank, TT or TTM) of least output error
-    at that size, and says why in the summary; without inputs it is low rank. The default
-    (None): from scratch (``init="random"``) ``"cola"`` (TT where the budget is below its
-    rank-1 floor); ``"auto"`` for ``init="dense"`` with ``example_inputs``; else ``"tt"``.
-    A format you name is kept.
-    ``format`` is ``"cola"`` (``silu(x U) V``, the format that pays in pretraining),
-    ``"tt"`` (each layer's order, i.e. modes per side,
-    is the one with the cheapest planned training step at the example batch, at equal
-    parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
-    fastest per row, least accurate at high compression). ``autotune=True`` times the best
-    few contraction orders of each layer on first use; ``objective`` is the planner's cost
-    (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes the
-    wide outputs of thin (rank-bond) products in backward and keeps dropout masks as bits:
-    much less training memory for some more step time (``python benchmarks/step.py``
-    measures both, row ``comera-compiled-low``); a
-    number below 1 (``memory=0.05``) recomputes more, for less memory and more time.
-    ``host_memory`` (compiled models on CPU): None or ``"off"`` (the default) leaves torch's
-    CPU allocator and glibc's ``malloc`` settings alone. The other settings change the
-    whole process, every model in it: ``"cache"`` keeps freed blocks of 1 MiB or more by
-    size for the next step's requests of that size, ``"reuse"`` keeps freed memory in
-    glibc's heap (both: large activations are not faulted in anew each step, for more
-    resident memory), ``"release"`` unmaps freed blocks at once
-    (``comera_compile.compile.cpu.host_memory``).
-    A model built under ``torch.device("meta")`` (too big to build dense) takes
-    ``init="random"``: cores are created on ``device`` and only the rest of the model (norms,
-    layers left dense, buffers) is allocated there, so no dense weight of a swapped layer
-    ever exists.
-    ``fuse=True`` first merges sibling Linear layers that read the same input (Q/K/V,
-    gate/up) into one, so they tensorize into one chain and run one contraction; the forward
-    changes, so the result is then the fused ``torch.fx.GraphModule`` (the model must trace
-    exactly).
+    ``summary(result)`` tells what happened.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize takes an nn.Module, got {type(model).__name__}")
-    if isinstance(budget, CompressionConfig):
-        if config is not None:
-            raise ValueError("optimize takes one CompressionConfig: as the second argument or "
-                             "config=, not both")
-        budget, config = None, budget
-    keywords = {"budget": budget, "format": format, "init": init, "max_rank": max_rank,
-                "include": include, "exclude": exclude, "layer_config": layer_config,
-                "objective": objective, "autotune": autotune, "fuse": fuse,
-                "device": device, "compile": compile}
-    compile_keywords = {"memory": memory, "host_memory": host_memory}
-    if config is None:
-        if host_memory is not None and not compile:
-            raise ValueError(f"host_memory={host_memory!r} acts while compiling; pass "
-                             "compile=True")
-        config = CompressionConfig(
-            **keywords, compile_options=CompileOptions(**{
-                k: v for k, v in compile_keywords.items() if v is not None}))
-    else:
-        if not isinstance(config, CompressionConfig):
+    if config is not None and not isinstance(config, CompressionConfig):
+        if isinstance(config, dict) or budget is not None:
             raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
-        given = [name for name, value in {**keywords, **compile_keywords}.items()
-                 if value is not None and value != _OPTIMIZE_DEFAULTS[name]]
-        if given:
-            raise ValueError(
-                f"optimize got a CompressionConfig and the keyword(s) {given}; set them on "
-                "the config instead (dataclasses.replace(config, ...))")
-    return _optimize(model, config, example_inputs, filter_fn, inplace)
+        budget, config = config, None  # optimize(model, 0.25): a budget where config goes
+    shortcuts = {"budget": budget, "format": format, "init": init, "compile": compile}
+    given = {name: value for name, value in shortcuts.items() if value is not None}
+    config = dataclasses.replace(config or CompressionConfig(), **given)  # checked again
+    return _optimize(model, config, example_inputs, inplace)
 
 
 def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
-              filter_fn: Callable[[nn.Module, str], bool] | None, inplace: bool) -> nn.Module:
+              inplace: bool) -> nn.Module:
     """``optimize`` with its settings in ``config``."""
     budget, init, max_rank = config.budget, config.init, config.max_rank
     include, exclude, layer_config = config.include, config.exclude, config.layer_config
     autotune, objective, device, fuse = (config.autotune, config.objective, config.device,
                                          config.fuse)
+    filter_fn = config.filter_fn
     layer_format, compile_result = config.format, config.compile
     if layer_format is None:
         layer_format = default_format(init, example_inputs is not None)
@@ -298,7 +217,7 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
     report = OptimizeReport(
         captured.path,
         captured.reason,
-        None if parse_budget(budget) is None else str(parse_budget(budget)),
+        None if budget is None else str(budget),
         selection.rank,
         init,
         before,

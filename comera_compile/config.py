@@ -24,6 +24,7 @@ float budget, not a compression ratio.)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,37 +39,27 @@ HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 """``host_memory`` settings: ``"off"`` (the default) changes nothing; the others are
 process-wide (``comera_compile.compile.cpu.host_memory``)."""
 
-MEMORY_BUDGETS = {"default": 1.0, "low": 0.999}
-"""``memory`` settings as AOT autograd activation budgets. Any budget below 1 recomputes
-the outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them
-alone (``compile.graph.recompute``) and lets the min-cut recompute long fusible chains; "low" stops
-there (0.999 asks AOT autograd for nothing more). Lower budgets also recompute, by AOT
-autograd's flop-priced knapsack, layer norms, attention and the rest of each layer."""
+LOW_MEMORY = 0.999
+"""The activation budget ``memory="low"`` stands for. Any budget below 1 recomputes the
+outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them alone
+(``compile.graph.recompute``) and lets the min-cut recompute long fusible chains; 0.999
+stops there, asking AOT autograd's flop-priced knapsack for nothing more. Lower budgets
+also recompute layer norms, attention and the rest of each layer."""
 
+ACTIVATION_BUDGETS = {"default": 1.0, "low": LOW_MEMORY}
+"""``memory`` settings by name, as AOT autograd activation budgets (the fraction of
+activations kept for backward)."""
 
-def parse_memory(memory: str | float) -> float:
-    """The activation budget of a ``memory`` setting (a name or a fraction in ``(0, 1]``)."""
-    if isinstance(memory, str):
-        if memory not in MEMORY_BUDGETS:
-            raise ValueError(
-                f"comera option 'memory' must be one of {list(MEMORY_BUDGETS)} or a fraction "
-                f"in (0, 1], got {memory!r}"
-            )
-        return MEMORY_BUDGETS[memory]
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1:
-        raise ValueError(f"comera option 'memory' as a number must lie in (0, 1], got {memory!r}")
-    return float(memory)
+RUNTIME = {"runtime": True}
+"""Field metadata of settings that act on this process only (process-wide allocator modes,
+a Python callable): they are not written into the saved configuration."""
 
-
-def check_host_memory(host_memory: object) -> str:
-    """``host_memory`` as one of :data:`HOST_MEMORY_MODES` (None reads as ``"off"``)."""
-    host_memory = "off" if host_memory is None else host_memory
-    if host_memory not in HOST_MEMORY_MODES:
-        raise ValueError(
-            f"comera option 'host_memory' must be one of {list(HOST_MEMORY_MODES)} or None, "
-            f"got {host_memory!r}"
-        )
-    return host_memory
+BACKEND_KEYS = (
+    "cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory",
+    "absorb_attention", "join_products", "pooled_kernels", "dtype_rules_once",
+)
+"""The ``CompileOptions`` fields the backend's ``options`` dict takes by name; any other
+key of that dict is a ``torch._inductor.config`` entry."""
 
 
 def _flag(name: str, value: Any, allow_none: bool = True) -> bool | None:
@@ -92,6 +83,12 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"a configuration value must be JSON-able, got {value!r}")
 
 
+def _saved_fields(obj: Any) -> dict[str, Any]:
+    """The fields of a config dataclass that a checkpoint keeps (runtime ones left out)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+            if not f.metadata.get("runtime")}
+
+
 def _from_dict(cls, data: dict[str, Any]):
     if not isinstance(data, dict):
         raise TypeError(f"{cls.__name__}.from_dict takes a dict, got {type(data).__name__}")
@@ -105,18 +102,21 @@ def _from_dict(cls, data: dict[str, Any]):
 
 @dataclass
 class CompileOptions:
-    """Options of the ``comera`` torch.compile backend (``compile_model(model, options)``,
-    ``CompressionConfig.compile_options``, or as a dict,
-    ``torch.compile(model, backend="comera", options=opts.to_backend_options())``).
+    """Options of the ``comera`` torch.compile backend, one object for every way in:
+    ``CompressionConfig.compile_options``, ``compile_model(model, options)``, and
+    ``torch.compile(model, backend="comera", options=opts.to_backend_options())`` (the dict
+    form: the fields of :data:`BACKEND_KEYS` by name, any other key an inductor entry).
 
     ``memory``: ``"default"``, ``"low"`` (recompute the wide outputs of thin products in
-    backward: less training memory for more step time) or a budget in ``(0, 1]``, AOT
-    autograd's fraction of activations kept (lower: more recomputed).
-    ``host_memory``: ``"off"`` (the default) leaves torch's CPU allocator and glibc's
-    ``malloc`` settings alone; ``"cache"``, ``"reuse"`` and ``"release"`` change them for the
-    whole process (``comera_compile.compile.cpu.host_memory``: faster CPU steps for more
-    resident memory, or the reverse). The first compile that asks for a mode sets it; a
-    later one asking for another warns and leaves it.
+    backward: less training memory for more step time; :data:`LOW_MEMORY`) or a budget in
+    ``(0, 1]``, AOT autograd's fraction of activations kept (lower: more recomputed).
+    ``host_memory`` (CPU, runtime only: not saved): ``"off"`` (the default) leaves torch's
+    CPU allocator and glibc's ``malloc`` settings alone; ``"cache"``, ``"reuse"`` and
+    ``"release"`` change them for the whole process (``comera_compile.compile.cpu.host_memory``:
+    faster CPU steps for more resident memory, or the reverse). The first compile that asks
+    for a mode sets it; a later one asking for another warns and leaves it. Where the block
+    cache of ``"cache"`` cannot be built, the backend falls back to ``"reuse"`` at the
+    default memory budget and to ``"release"`` below it.
     ``cudagraphs``: run under CUDA Graph trees (None: on when the graph runs on CUDA).
     ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
     keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels).
@@ -124,43 +124,49 @@ class CompileOptions:
     layers through their rank bonds where that costs fewer flops.
     ``join_products``: compute thin products of one activation by several weights (CoLA's
     Q, K, V or gate and up factors) as one wider product.
+    ``pooled_kernels`` (CPU): build a generated module's kernels in one compiler run per
+    compile worker (``compile.cpu.pooled_kernels``); False: one run per kernel, as inductor.
+    ``dtype_rules_once``: build inductor's dtype rule table once per compile, not once per
+    generated op (``compile.cpu.dtype_rules``); False: inductor as it is.
     ``inductor_config``: ``torch._inductor.config`` entries to patch while compiling
     (checked against inductor's config when the model is compiled).
     ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
-    rather than the whole model (``comera_compile.compile.policy.blocks``; None: where each graph
-    would serve three blocks or more; True: required; False: the whole model).
+    rather than the whole model (``comera_compile.compile.policy.blocks``; None: where each
+    graph would serve three blocks or more; True: required; False: the whole model).
     ``symbolic_ranks``: True keeps the TT layers' rank bonds symbolic in the compiled
     graphs, so rank cuts and blocks of different ranks need no new graph
     (``comera_compile.compile.policy.rank_dims``; steps run a little slower); False: graphs
     specialised to today's ranks (each cut recompiles); None: symbolic where ``optimize``'s
     measured compile learns that the run cuts ranks (a rank trainer that prunes), else
-    static.
-    Neither is a backend option: ``torch.compile(model, backend="comera")`` compiles what
-    it is given, at static ranks.
+    static. Neither of these two is a backend option: ``torch.compile(model,
+    backend="comera")`` compiles what it is given, at static ranks.
     """
 
     memory: str | float = "default"
-    host_memory: str = "off"
+    host_memory: str = field(default="off", metadata=RUNTIME)
     cudagraphs: bool | None = None
     autotune: bool | None = None
     objective: str | None = None
     inductor: bool = True
     absorb_attention: bool = True
     join_products: bool = True
+    pooled_kernels: bool = True
+    dtype_rules_once: bool = True
     inductor_config: dict[str, Any] = field(default_factory=dict)
     blocks: bool | None = None
     symbolic_ranks: bool | None = None
 
     def __post_init__(self) -> None:
-        parse_memory(self.memory)
-        self.host_memory = check_host_memory(self.host_memory)
-        _flag("cudagraphs", self.cudagraphs)
-        _flag("autotune", self.autotune)
-        _flag("inductor", self.inductor, allow_none=False)
-        _flag("absorb_attention", self.absorb_attention, allow_none=False)
-        _flag("join_products", self.join_products, allow_none=False)
-        _flag("blocks", self.blocks)
-        _flag("symbolic_ranks", self.symbolic_ranks)
+        self.activation_budget  # noqa: B018 - checks memory, with the accepted values
+        self.host_memory = "off" if self.host_memory is None else self.host_memory
+        if self.host_memory not in HOST_MEMORY_MODES:
+            raise ValueError(f"comera option 'host_memory' must be one of "
+                             f"{list(HOST_MEMORY_MODES)} or None, got {self.host_memory!r}")
+        for name in ("cudagraphs", "autotune", "blocks", "symbolic_ranks"):
+            _flag(name, getattr(self, name))
+        for name in ("inductor", "absorb_attention", "join_products", "pooled_kernels",
+                     "dtype_rules_once"):
+            _flag(name, getattr(self, name), allow_none=False)
         if self.objective is not None:
             if not isinstance(self.objective, str):
                 raise TypeError(f"comera option 'objective' must be a str, got "
@@ -170,22 +176,62 @@ class CompileOptions:
             raise TypeError("CompileOptions.inductor_config must be a dict of "
                             f"torch._inductor.config entries, got {self.inductor_config!r}")
 
+    @property
+    def activation_budget(self) -> float:
+        """``memory`` as AOT autograd's activation budget (a name or a fraction in (0, 1])."""
+        memory = self.memory
+        if isinstance(memory, str):
+            if memory not in ACTIVATION_BUDGETS:
+                raise ValueError(f"comera option 'memory' must be one of "
+                                 f"{list(ACTIVATION_BUDGETS)} or a fraction in (0, 1], got "
+                                 f"{memory!r}")
+            return ACTIVATION_BUDGETS[memory]
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory <= 1:
+            raise ValueError(f"comera option 'memory' as a number must lie in (0, 1], got "
+                             f"{memory!r}")
+        return float(memory)
+
+    @property
+    def low_memory(self) -> bool:
+        """Whether backward recomputes activations (a budget below 1)."""
+        return self.activation_budget < 1
+
     def to_backend_options(self) -> dict[str, Any]:
         """The backend's ``options`` dict (settings left at their defaults are left out)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name in ("inductor_config", "blocks", "symbolic_ranks"):  # not the backend's
-                continue
-            value = getattr(self, f.name)
-            default = f.default
-            if value != default:
-                out[f.name] = value
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name in BACKEND_KEYS and getattr(self, f.name) != f.default}
         out.update(self.inductor_config)
         return out
 
+    @classmethod
+    def from_backend_options(cls, options: dict[str, Any] | CompileOptions | None,
+                             mode: str | None = None) -> CompileOptions:
+        """The options the backend got (``torch.compile``'s ``options`` dict, or a
+        ``CompileOptions``, and its ``mode``), every inductor entry checked against
+        inductor's config."""
+        import torch._inductor
+        import torch._inductor.config as inductor_config
+
+        if isinstance(options, CompileOptions):
+            options = options.to_backend_options()
+        options = dict(options or {})
+        own = {name: options.pop(name) for name in BACKEND_KEYS if name in options}
+        config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+        mode_cudagraphs = config.pop("triton.cudagraphs", None)  # decided per graph
+        if own.get("cudagraphs") is None and mode_cudagraphs is not None:
+            own["cudagraphs"] = bool(mode_cudagraphs)
+        known = set(inductor_config.get_config_copy())
+        unknown = sorted(k for k in options if k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown comera backend options {unknown}; the backend's own options are "
+                f"{list(BACKEND_KEYS)}, and any other key must be a torch._inductor.config "
+                "entry")
+        return cls(**own, inductor_config={**config, **options})
+
     def to_dict(self) -> dict[str, Any]:
-        """Every field, JSON-able."""
-        return _jsonable(dataclasses.asdict(self))
+        """Every field but the runtime ones (``host_memory``), JSON-able."""
+        return _jsonable(_saved_fields(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CompileOptions:
@@ -207,26 +253,42 @@ def _budget_from_json(budget: object) -> object:
 
 @dataclass
 class CompressionConfig:
-    """What ``optimize`` does to a model, as one object (``cc.optimize(model, config)``;
-    ``optimize``'s keyword arguments build one).
+    """What ``optimize`` does to a model, as one object: ``cc.optimize(model, config)``.
+    Every setting and its default lives here; ``optimize``'s keywords ``budget``,
+    ``format``, ``init`` and ``compile`` are shortcuts over these fields.
 
     ``budget``: how small the result must be (module docstring: a float keeps a share, a
     ``"40x"`` string or ``Budget(ratio=40)`` is a compression ratio, an int a parameter
     count; None tensorizes every eligible layer at the default rank).
-    ``format``: ``"tt"``, ``"ttm"``, ``"lowrank"``, ``"cola"``, ``"auto"`` (per layer, by
-    output error; pretrained weights) or None (from scratch ``"cola"``, or ``"tt"`` where the
-    budget is below CoLA's rank-1 floor; ``"auto"`` for ``init="dense"`` with example
-    inputs; else ``"tt"``). ``init``: ``"random"``
-    (train from scratch, as CoMERA does) or ``"dense"`` (TT-SVD of the current weights).
-    ``max_rank``: a cap on every bond rank. ``include`` / ``exclude``: layer names or
-    glob patterns to consider or leave dense. ``layer_config``: per-layer settings by name.
+    ``format``: ``"cola"`` (``silu(x U) V``, the format that pays in pretraining),
+    ``"tt"`` (each layer's order, i.e. modes per side, is the one with the cheapest planned
+    training step at the example batch, at equal parameters; ``layer_config`` can set
+    ``order``), ``"ttm"``, ``"lowrank"`` (``W = U V``: fastest per row, least accurate at
+    high compression), ``"auto"`` (with ``init="dense"`` and example inputs: the layers are
+    sized in low rank, then each Linear layer gets the format of least output error at that
+    size, and the summary says why; without inputs low rank) or None (from scratch
+    ``"cola"``, or ``"tt"`` where the budget is below CoLA's rank-1 floor; ``"auto"`` for
+    ``init="dense"`` with example inputs; else ``"tt"``). A format you name is kept.
+    ``init``: ``"random"`` (train from scratch, as CoMERA does) or ``"dense"`` (TT-SVD of
+    the current weights, for pretrained models). A model built under
+    ``torch.device("meta")`` takes ``init="random"``: cores are created on ``device`` and
+    only the rest of the model is allocated there, so no dense weight of a swapped layer
+    ever exists.
+    ``max_rank``: a cap on every bond rank. ``include`` / ``exclude``: layer names or glob
+    patterns to consider or leave dense. ``filter_fn(module, name)``: False leaves a layer
+    dense (runtime only: not saved). ``layer_config``: per-layer settings by name.
     ``objective``: the planner's cost (cotengra's ``"combo"``); ``autotune``: time the best
     few contraction orders of each layer on first use. ``fuse``: merge sibling Linear
-    layers that read the same input first. ``device``: where new cores are created.
-    ``compile``: compile the result with the ``comera`` backend, with ``compile_options``
-    (``True``: then time the first training and inference steps compiled against eager and
-    keep the faster, so compiling never leaves a model slower; ``"always"``: keep it
-    compiled without timing; ``False``: eager).
+    layers that read the same input (Q/K/V, gate/up) first, so they tensorize into one
+    chain; the forward changes, so ``optimize`` then returns the fused
+    ``torch.fx.GraphModule`` (the model must trace exactly). ``device``: where new cores
+    are created.
+    ``compile``: compile the result in place with the ``comera`` backend and
+    ``compile_options`` (``True``: eager until eager calls have taken as long as the best
+    compiled step would need to repay a first compile, then the first training and
+    inference steps timed compiled against eager and the faster kept, so compiling never
+    leaves a model slower, ``compile.policy.measured``; ``"always"``: compiled at once,
+    without timing; ``False``: eager).
     """
 
     budget: float | int | str | Budget | None = None
@@ -235,6 +297,8 @@ class CompressionConfig:
     max_rank: int | None = None
     include: str | list[str] | None = None
     exclude: str | list[str] | None = None
+    filter_fn: Callable[[Any, str], bool] | None = field(default=None, metadata=RUNTIME,
+                                                         compare=False)
     layer_config: dict[str, dict[str, Any]] | None = None
     objective: str = "combo"
     autotune: bool = False
@@ -252,6 +316,9 @@ class CompressionConfig:
         parse_objective(self.objective)
         parse_budget(self.budget)  # a bad budget fails here, with the accepted forms
         check_layer_config(self.layer_config)
+        if self.filter_fn is not None and not callable(self.filter_fn):
+            raise TypeError(f"filter_fn must be a callable (module, name) -> bool, got "
+                            f"{self.filter_fn!r}")
         _flag("autotune", self.autotune, allow_none=False)
         _flag("fuse", self.fuse, allow_none=False)
         if not (isinstance(self.compile, bool) or self.compile == "always"):
@@ -264,16 +331,14 @@ class CompressionConfig:
                             f"its dict), got {type(self.compile_options).__name__}")
         if not self.compile:
             opts = self.compile_options
-            if opts.memory != "default":
-                raise ValueError(f"memory={opts.memory!r} acts while compiling; pass "
-                                 "compile=True")
-            if opts.host_memory != "off":
-                raise ValueError(f"host_memory={opts.host_memory!r} acts while compiling; "
-                                 "pass compile=True")
+            for name, default in (("memory", "default"), ("host_memory", "off")):
+                if getattr(opts, name) != default:
+                    raise ValueError(f"{name}={getattr(opts, name)!r} acts while compiling; "
+                                     "pass compile=True")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, JSON-able (a ``Budget`` as ``{"Budget": {...}}``)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field but the runtime ones, JSON-able (a ``Budget`` as ``{"Budget": {...}}``)."""
+        out = _saved_fields(self)
         out["budget"] = _budget_to_json(self.budget)
         out["compile_options"] = self.compile_options.to_dict()
         return _jsonable(out)

@@ -104,7 +104,8 @@ def _linear_with_spectrum(values, seed):
 def _built_errors(model, budget, max_rank=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = cc.optimize(model, budget, init="dense", max_rank=max_rank, compile=False)
+        out = cc.optimize(model, cc.CompressionConfig(budget=budget, max_rank=max_rank),
+                          init="dense", compile=False)
     errors = {r["name"]: r["error"] for r in cc.summary(out).records}
     return out, errors
 

@@ -56,12 +56,12 @@ def test_ranks_larger_than_modes_allow():
         match=r"layer_config for 'net.0': ranks \[40, 50, 20\] are "
         r"larger than the modes .* allow",
     ):
-        cc.optimize(MLP(), layer_config=config)
+        cc.optimize(MLP(), cc.CompressionConfig(layer_config=config))
 
 
 def test_unknown_layer_config_setting():
     with pytest.raises(ValueError, match=r"unknown settings \['rank'\]; accepted"):
-        cc.optimize(MLP(), layer_config={"net.0": {"rank": 4}})
+        cc.optimize(MLP(), cc.CompressionConfig(layer_config={"net.0": {"rank": 4}}))
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_unknown_layer_config_setting():
 )
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        cc.optimize(MLP(), **kwargs)
+        cc.optimize(MLP(), cc.CompressionConfig(**kwargs))
 
 
 def test_flops_budget_needs_example_inputs():
@@ -89,7 +89,10 @@ def test_not_a_module():
 
 def test_host_memory_needs_compiling_and_a_known_setting():
     with pytest.raises(ValueError, match=r"host_memory='reuse' acts while compiling"):
-        cc.optimize(MLP(), 0.5, compile=False, host_memory="reuse")
+        cc.optimize(MLP(), cc.CompressionConfig(budget=0.5,
+                                                compile_options=cc.CompileOptions(host_memory="reuse")),
+                    compile=False)
     modes = r"\['off', 'cache', 'reuse', 'release'\]"
     with pytest.raises(ValueError, match=r"'host_memory' must be one of " + modes):
-        cc.optimize(MLP(), 0.5, host_memory="keep")
+        cc.optimize(MLP(), cc.CompressionConfig(budget=0.5,
+                                                compile_options=cc.CompileOptions(host_memory="keep")))

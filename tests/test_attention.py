@@ -87,7 +87,8 @@ def test_optimized_attention_at_full_rank_equals_original(cfg):
     q = torch.randn(3, 6, 64) if cfg.get("batch_first") else torch.randn(6, 3, 64)
     k = torch.randn(q.shape[0], q.shape[1], cfg.get("kdim", 64))
     v = torch.randn(q.shape[0], q.shape[1], cfg.get("vdim", 64))
-    result = cc.optimize(model, init="dense", max_rank=10_000, compile=False).eval()
+    result = cc.optimize(model, cc.CompressionConfig(max_rank=10_000), init="dense",
+                         compile=False).eval()
     projections = [m for m in result.attn.modules() if isinstance(m, TensorizedLayer)]
     assert isinstance(result.attn, SplitMultiheadAttention) and len(projections) == 4
     with torch.no_grad():

@@ -17,6 +17,7 @@ from torch import nn
 import comera_compile
 import comera_compile.compile as cc
 from comera_compile.compile import backend as backend_module
+from comera_compile.config import CompileOptions
 from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
 from comera_compile.training.pruning import prune_model
@@ -194,9 +195,9 @@ def test_bad_options_fail_at_the_door():
     with pytest.raises(ValueError, match="unknown objective"):
         cc.compile_model(mlp(), objective="fast")
     with pytest.raises(TypeError, match="must be a bool"):
-        cc.parse_options({"autotune": "yes"})
-    opts = cc.parse_options({"max_autotune": True}, mode="reduce-overhead")
-    assert opts.cudagraphs is True and opts.config["max_autotune"] is True
+        CompileOptions.from_backend_options({"autotune": "yes"})
+    opts = CompileOptions.from_backend_options({"max_autotune": True}, mode="reduce-overhead")
+    assert opts.cudagraphs is True and opts.inductor_config["max_autotune"] is True
 
 
 def test_plain_graph_warns_once_and_still_compiles(monkeypatch):

@@ -86,9 +86,10 @@ class IdsOnly(nn.Module):
 def test_optimize_with_fuse_tensorizes_one_chain_for_qkv():
     model = IdsOnly()
     ids = torch.randint(0, 300, (2, 8))
-    settings = {"example_inputs": (ids,), "compile": False, "include": r".*layers\..*"}
-    plain = cc.optimize(model, **settings)
-    fused = cc.optimize(model, fuse=True, **settings)
+    settings = {"example_inputs": (ids,), "compile": False}
+    plain = cc.optimize(model, cc.CompressionConfig(include=r".*layers\..*"), **settings)
+    fused = cc.optimize(model, cc.CompressionConfig(include=r".*layers\..*", fuse=True),
+                        **settings)
     names = set(tensorized_layers(fused))
     assert "inner.layers.1.attention.query_key_value" in names
     assert len(tensorized_layers(plain)) - len(names) == 2 * 2  # three became one, twice
@@ -108,4 +109,5 @@ def test_fuse_needs_an_fx_graph():
             return self.b(x)
 
     with pytest.raises(ValueError, match="fuse=False"):
-        cc.optimize(Untraceable(), example_inputs=(torch.randn(2, 8),), compile=False, fuse=True)
+        cc.optimize(Untraceable(), cc.CompressionConfig(fuse=True),
+                    example_inputs=(torch.randn(2, 8),), compile=False)

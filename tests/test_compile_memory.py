@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import comera_compile.compile as cc
+from comera_compile.config import CompileOptions
 from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTEmbedding, TTLinear
 
@@ -69,12 +70,13 @@ def test_low_memory_saves_under_half_the_activations_with_exact_gradients(monkey
 
 
 def test_memory_option_is_checked_at_the_door():
-    assert cc.parse_options({"memory": "low"}).memory == pytest.approx(0.999)
-    assert cc.parse_options({"memory": 0.5}).memory == 0.5
+    low = CompileOptions.from_backend_options({"memory": "low"})
+    assert low.activation_budget == pytest.approx(0.999)
+    assert CompileOptions.from_backend_options({"memory": 0.5}).activation_budget == 0.5
     with pytest.raises(ValueError, match="'memory' must be one of"):
-        cc.parse_options({"memory": "tiny"})
+        CompileOptions.from_backend_options({"memory": "tiny"})
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
-        cc.parse_options({"memory": 0.0})
+        CompileOptions.from_backend_options({"memory": 0.0})
 
 
 def dropout_encoder() -> SixEncoderClassifier:

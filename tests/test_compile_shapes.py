@@ -237,8 +237,9 @@ def test_hugging_face_t5_with_a_tt_embedding_trains_compiled_across_batch_sizes(
         ids = torch.randint(0, 128, (size, 12))
         return {"input_ids": ids, "decoder_input_ids": ids[:, :6]}
 
-    model = api.optimize(dense.train(), example_inputs=batch(2), compile=False,
-                         filter_fn=lambda module, name: name == "shared")  # the table only
+    model = api.optimize(dense.train(),
+                         api.CompressionConfig(filter_fn=lambda module, name: name == "shared"),
+                         example_inputs=batch(2), compile=False)  # the table only
     assert isinstance(model.get_submodule("shared"), TTEmbedding)
     compiled = torch.compile(copy.deepcopy(model), backend="comera")
     for size in (2, 3):  # the second compiles the dynamic graph

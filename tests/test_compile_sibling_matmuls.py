@@ -117,13 +117,12 @@ def test_comera_backend_joins_cola_siblings_and_can_be_turned_off():
 
 @pytest.mark.parametrize("join", [True, False])
 def test_join_products_is_a_checked_option(join):
-    from comera_compile.compile.options import parse_options
     from comera_compile.config import CompileOptions
 
-    assert parse_options({"join_products": join}).join_products is join
+    assert CompileOptions.from_backend_options({"join_products": join}).join_products is join
     assert CompileOptions(join_products=join).join_products is join
     with pytest.raises((TypeError, ValueError), match="join_products"):
-        parse_options({"join_products": "yes"})
+        CompileOptions.from_backend_options({"join_products": "yes"})
 
 
 class Blocks(nn.Module):

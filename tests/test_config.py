@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.compile import compile_model, parse_options
+from comera_compile.compile import compile_model
 
 
 def mlp():
@@ -55,9 +55,15 @@ def test_configs_round_trip_through_json(budget):
         compile_options=cc.CompileOptions(memory=0.5, host_memory="release", autotune=True,
                                           inductor_config={"max_autotune": False}))
     text = json.dumps(config.to_dict())
-    assert cc.CompressionConfig.from_dict(json.loads(text)) == config
-    options = config.compile_options
+    # host_memory is process-wide, a runtime setting: the saved config leaves it out
+    saved = dataclasses.replace(config, compile_options=dataclasses.replace(
+        config.compile_options, host_memory="off"))
+    assert "host_memory" not in config.to_dict()["compile_options"]
+    assert cc.CompressionConfig.from_dict(json.loads(text)) == saved
+    options = saved.compile_options
     assert cc.CompileOptions.from_dict(json.loads(json.dumps(options.to_dict()))) == options
+    old = {**options.to_dict(), "host_memory": "release"}  # as checkpoints wrote it before
+    assert cc.CompileOptions.from_dict(old).host_memory == "release"
 
 
 def test_numpy_values_and_tuples_are_saved_as_json():
@@ -75,27 +81,41 @@ def test_compile_options_become_the_backend_options_dict():
                                 inductor_config={"max_autotune": False})
     assert options.to_backend_options() == {"memory": "low", "absorb_attention": False,
                                             "max_autotune": False}
-    parsed = parse_options(options)
-    assert parsed.memory == 0.999 and not parsed.absorb_attention
-    assert parsed.config["max_autotune"] is False
+    parsed = cc.CompileOptions.from_backend_options(options.to_backend_options())
+    assert parsed == options
+    assert parsed.activation_budget == 0.999 and not parsed.absorb_attention
+    assert parsed.inductor_config["max_autotune"] is False
     with pytest.raises(ValueError, match="unknown comera backend options"):
-        parse_options(cc.CompileOptions(inductor_config={"no_such_entry": 1}))
+        cc.CompileOptions.from_backend_options(
+            cc.CompileOptions(inductor_config={"no_such_entry": 1}))
 
 
-def test_optimize_takes_a_config_and_its_keywords_build_the_same_one():
+def test_optimize_takes_a_config_and_its_shortcuts_build_the_same_one():
     config = cc.CompressionConfig(budget=0.5, max_rank=4, compile=False)
     by_config = cc.optimize(mlp(), config)
-    by_keywords = cc.optimize(mlp(), 0.5, max_rank=4, compile=False)
-    assert cc.config_of(by_config) == cc.config_of(by_keywords) == config
+    by_shortcuts = cc.optimize(mlp(), cc.CompressionConfig(max_rank=4), budget=0.5,
+                               compile=False)
+    assert cc.config_of(by_config) == cc.config_of(by_shortcuts) == config
     assert cc.optimize(mlp(), config=config).state_dict().keys() == by_config.state_dict().keys()
-    for a, b in zip(by_config.parameters(), by_keywords.parameters()):
+    for a, b in zip(by_config.parameters(), by_shortcuts.parameters()):
         assert a.shape == b.shape
-    with pytest.raises(ValueError, match=r"keyword\(s\) \['max_rank'\]"):
-        cc.optimize(mlp(), config, max_rank=8)
-    with pytest.raises(ValueError, match="not both"):
-        cc.optimize(mlp(), config, config=config)
+    # a shortcut beside a config replaces that field; one left at None keeps the config's
+    halved = cc.optimize(mlp(), config, budget=0.25)
+    assert cc.config_of(halved) == dataclasses.replace(config, budget=0.25)
+    assert cc.config_of(cc.optimize(mlp(), config, format=None)) == config
+    # a budget where the config goes is the budget
+    assert cc.config_of(cc.optimize(mlp(), 0.5, compile=False)).budget == 0.5
+    ratio = cc.config_of(cc.optimize(mlp(), cc.Budget(ratio=2), compile=False))
+    assert ratio.budget == cc.Budget(ratio=2)
+    with pytest.raises(TypeError, match="max_rank"):
+        cc.optimize(mlp(), config, max_rank=8)  # not a shortcut: set it on the config
+    with pytest.raises(TypeError, match="CompressionConfig"):
+        cc.optimize(mlp(), 0.5, budget=0.25)
     with pytest.raises(TypeError, match="CompressionConfig"):
         cc.optimize(mlp(), config={"budget": 0.5})
+    with pytest.raises(ValueError, match="acts while compiling"):
+        cc.optimize(mlp(), cc.CompressionConfig(
+            compile_options=cc.CompileOptions(memory="low")), compile=False)
 
 
 def test_the_config_is_saved_with_the_checkpoint(tmp_path):
@@ -117,21 +137,22 @@ def test_small_int_budgets_are_refused_with_the_spellings_meant():
     assert cc.Budget(params=40).params == 40  # a small count said on purpose is accepted
 
 
-def test_in_place_is_one_word_and_the_old_spelling_warns():
+def test_compile_model_takes_options_or_keywords():
     model = mlp()
-    with pytest.warns(DeprecationWarning, match="renamed inplace="):
-        assert compile_model(model, in_place=True, inductor=False) is model
+    assert compile_model(model, inplace=True, inductor=False) is model
     assert compile_model(mlp(), cc.CompileOptions(inductor=False), inplace=True) is not None
     with pytest.raises(ValueError, match="not both"):
         compile_model(mlp(), cc.CompileOptions(), memory="low")
     torch._dynamo.reset()
 
 
-def test_config_fields_match_optimize_keywords():
+def test_optimize_shortcuts_are_config_fields():
     import inspect
 
-    keywords = set(inspect.signature(cc.optimize).parameters)
+    parameters = inspect.signature(cc.optimize).parameters
+    assert len(parameters) <= 8
     fields = {f.name for f in dataclasses.fields(cc.CompressionConfig)}
-    assert fields - {"compile_options"} <= keywords
-    options = {f.name for f in dataclasses.fields(cc.CompileOptions)}
-    assert {"memory", "host_memory"} <= options & keywords
+    shortcuts = set(parameters) - {"model", "config", "example_inputs", "inplace"}
+    assert shortcuts == {"budget", "format", "init", "compile"} and shortcuts <= fields
+    # each default is written once, on the config: every shortcut's is None
+    assert all(parameters[name].default is None for name in shortcuts)

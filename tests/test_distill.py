@@ -92,8 +92,9 @@ def _compressed_lookup(share):
         teacher.table.weight.mul_(torch.linspace(1, 0.1, 64) ** 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        student = cc.optimize(copy.deepcopy(teacher), share, init="dense", inplace=True,
-                              compile=False, include=["table", "proj"])
+        config = cc.CompressionConfig(budget=share, include=["table", "proj"])
+        student = cc.optimize(copy.deepcopy(teacher), config, init="dense", inplace=True,
+                              compile=False)
     return teacher, student
 
 
@@ -151,8 +152,10 @@ def test_fit_layers_covers_any_dense_layer_type():
     batches = [torch.randn(32, 128) @ mix for _ in range(4)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        student = cc.optimize(copy.deepcopy(teacher), 0.3, init="dense", include=["proj"],
-                              example_inputs=(batches[0],), inplace=True, compile=False)
+        student = cc.optimize(copy.deepcopy(teacher), cc.CompressionConfig(budget=0.3,
+                                                                           include=["proj"]),
+                              init="dense", example_inputs=(batches[0],), inplace=True,
+                              compile=False)
     assert compressed_layers(student, teacher) == ["proj"]
     before, after = fit_layers(student, teacher, batches, steps=40, progress=False)["proj"]
     assert after < 0.9 * before
@@ -302,9 +305,9 @@ def test_fit_layers_records_a_tied_table_looked_up_through_another_module():
     student = copy.deepcopy(teacher)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        student = cc.optimize(student, 0.4, init="dense", inplace=True, compile=False,
-                              example_inputs=batches[0],
-                              include=["shared", "unused", "proj"])
+        student = cc.optimize(student, cc.CompressionConfig(budget=0.4,
+                                                            include=["shared", "unused", "proj"]),
+                              init="dense", inplace=True, compile=False, example_inputs=batches[0])
     assert "shared" in compressed_layers(student, teacher)
     with pytest.warns(UserWarning, match="never called.*unused"):
         result = fit_layers(student, teacher, batches, layers=["shared", "unused"], steps=20,

@@ -114,8 +114,9 @@ def test_small_sparse_tables_and_narrow_layers_stay_dense(sparse):
         assert not isinstance(small, TTEmbedding)
     else:
         assert isinstance(small, TTEmbedding)
-    forced = cc.optimize(model, "8x", example_inputs=example, compile=False,
-                         include=["tables.0", "tables.1", "bottom.0"])
+    forced = cc.optimize(model, cc.CompressionConfig(budget="8x",
+                                                     include=["tables.0", "tables.1", "bottom.0"]),
+                         example_inputs=example, compile=False)
     assert isinstance(forced.get_submodule("tables.1"), TTEmbedding)
     assert isinstance(forced.get_submodule("bottom.0"), TTLinear)
 

@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-import comera_compile.compile as cc
 from comera_compile.compile.cpu import host_memory
 from comera_compile.compile.cpu.host_memory import (
     host_memory_mode,
     reusing_freed_host_memory,
     set_host_memory,
 )
+from comera_compile.config import CompileOptions
 from comera_compile.nn import TTLinear
 
 glibc_only = pytest.mark.skipif(
@@ -101,13 +101,14 @@ def test_release_free_heap_hands_back_what_reuse_keeps():
 
 
 def test_host_memory_option_is_checked_at_the_door():
-    assert cc.parse_options({}).host_memory == "off"
-    assert cc.parse_options({"host_memory": None}).host_memory == "off"
-    assert cc.parse_options({"host_memory": "release"}).host_memory == "release"
+    assert CompileOptions.from_backend_options({}).host_memory == "off"
+    assert CompileOptions.from_backend_options({"host_memory": None}).host_memory == "off"
+    assert CompileOptions.from_backend_options(
+        {"host_memory": "release"}).host_memory == "release"
     with pytest.raises(ValueError, match="must be one of"):
         set_host_memory("keep")
     with pytest.raises(ValueError, match="'host_memory' must be one of"):
-        cc.parse_options({"host_memory": "keep"})
+        CompileOptions.from_backend_options({"host_memory": "keep"})
 
 
 MODES = """

@@ -134,9 +134,8 @@ def test_dense_init_at_full_rank_is_exact(name):
     if name == "mlp":  # full-rank SVDs of 512-wide unfoldings take seconds on a CPU
         factory, inputs = (lambda: MLP((64, 128, 64, 10))), torch.randn(16, 64)
     model = factory().eval()
-    opt_model = cc.optimize(
-        model, example_inputs=inputs, init="dense", max_rank=10_000, compile=False
-    ).eval()
+    opt_model = cc.optimize(model, cc.CompressionConfig(max_rank=10_000), example_inputs=inputs,
+                            init="dense", compile=False).eval()
     assert sum(isinstance(m, TensorizedLayer) for m in opt_model.modules()) >= 1
     with torch.no_grad():
         expected, got = _outputs(model, inputs), _outputs(opt_model, inputs)
@@ -236,7 +235,8 @@ def test_load_into_model_of_other_modes_names_both_layouts(tmp_path):
 
 @pytest.mark.slow  # compiles through the comera backend once it is registered
 def test_compile_and_autotune_options():
-    model = cc.optimize(MLP(), 0.3, compile=True, autotune=True, objective="flops")
+    model = cc.optimize(MLP(), cc.CompressionConfig(budget=0.3, autotune=True, objective="flops"),
+                        compile=True)
     eager = getattr(model, "_orig_mod", model)  # eager until the comera backend exists
     layers = [m for m in eager.modules() if isinstance(m, TensorizedLayer)]
     assert layers and all(m.autotune and m.objective == "flops" for m in layers)
@@ -278,11 +278,13 @@ def test_default_format_is_cola_from_scratch_and_tt_where_cola_cannot_reach_the_
     assert n_params(tiny) <= n_params(MLP()) / 65
     with pytest.raises(ValueError, match="no choice of layers meets"):
         cc.optimize(MLP(), cc.Budget(ratio=65), format="cola", compile=False)
-    chained = cc.optimize(MLP(), 0.2, compile=False, layer_config={"net.0": {"order": 2}})
+    chained = cc.optimize(MLP(), cc.CompressionConfig(budget=0.2,
+                                                      layer_config={"net.0": {"order": 2}}),
+                          compile=False)
     records = {r["name"]: r["format"] for r in cc.summary(chained).records}
     assert records["net.0"] == "tt" and records["net.2"] == "cola"
     with pytest.raises(ValueError, match="one mode per side"):  # a format you name is kept
-        cc.optimize(MLP(), 0.2, format="cola", compile=False,
-                    layer_config={"net.0": {"order": 2}})
+        cc.optimize(MLP(), cc.CompressionConfig(budget=0.2, layer_config={"net.0": {"order": 2}}),
+                    format="cola", compile=False)
     pretrained = cc.optimize(MLP(), 0.2, init="dense", compile=False)
     assert {r["format"] for r in cc.summary(pretrained).records} == {"tt"}

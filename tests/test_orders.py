@@ -83,7 +83,8 @@ def _mlp() -> nn.Module:
     ],
 )
 def test_layer_config_forces_order_or_lowrank(config, cls, modes):
-    model = cc.optimize(_mlp(), layer_config={"0": {**config, "ranks": 4}}, compile=False)
+    model = cc.optimize(_mlp(), cc.CompressionConfig(layer_config={"0": {**config, "ranks": 4}}),
+                        compile=False)
     layer = model.get_submodule("0")
     assert type(layer) is cls
     assert (layer.in_modes, layer.out_modes) == modes
@@ -94,7 +95,8 @@ def test_layer_config_forces_order_or_lowrank(config, cls, modes):
 
 def test_optimize_lowrank_format_dense_init_is_exact_at_full_rank():
     dense = _mlp().double()
-    model = cc.optimize(dense, format="lowrank", init="dense", max_rank=64, compile=False)
+    model = cc.optimize(dense, cc.CompressionConfig(max_rank=64), format="lowrank", init="dense",
+                        compile=False)
     assert all(isinstance(m, LowRankLinear) for m in cc.nn.tensorized_layers(model).values())
     x = torch.randn(3, 64, dtype=torch.float64)
     torch.testing.assert_close(model(x), dense(x), rtol=1e-9, atol=1e-9)
@@ -148,8 +150,8 @@ def test_order_choice_follows_the_cost_model(monkeypatch):
 
 def test_optimize_reports_the_order_and_layer_config_overrides_it():
     x = torch.randn(512, 64)
-    model = cc.optimize(_mlp(), format="tt", example_inputs=x, compile=False, max_rank=30,
-                        layer_config={"2": {"order": 3}})
+    model = cc.optimize(_mlp(), cc.CompressionConfig(max_rank=30, layer_config={"2": {"order": 3}}),
+                        format="tt", example_inputs=x, compile=False)
     auto, forced = model.get_submodule("0"), model.get_submodule("2")
     assert len(forced.in_modes) == 3
     assert len(auto.in_modes) == 4  # cheapest planned step for 64x96 at 512 rows (above)
@@ -222,8 +224,9 @@ def test_optimize_gives_a_large_table_the_cheaper_order_under_a_budget():
     assert "order 6" in records["table"]["order_reason"]
     with torch.device("meta"):
         model = _Table(1_000_000)
-    forced = cc.optimize(model, "100x", example_inputs=(ids,), compile=False, inplace=True,
-                         layer_config={"table": {"order": 6}})
+    forced = cc.optimize(model, cc.CompressionConfig(budget="100x",
+                                                     layer_config={"table": {"order": 6}}),
+                         example_inputs=(ids,), compile=False, inplace=True)
     assert len(forced.table.row_modes) == 6
     with torch.device("meta"):  # a table with dense gradients keeps the default layout
         model = _Table(1_000_000, sparse=False)

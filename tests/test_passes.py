@@ -122,13 +122,8 @@ def test_candidates_tied_direct_and_aliases():
 
 def test_shared_module_swapped_under_every_name():
     model = TiedLM()
-    result = cc.optimize(
-        model,
-        example_inputs=torch.randint(0, 1000, (2, 5)),
-        include=["proj"],
-        inplace=True,
-        compile=False,
-    )
+    result = cc.optimize(model, cc.CompressionConfig(include=["proj"]),
+                         example_inputs=torch.randint(0, 1000, (2, 5)), inplace=True, compile=False)
     assert result is model and cc.summary(model).capture_path == "fx"
     assert isinstance(model.proj, TTLinear) and model.shared is model.proj
     assert model.head.weight is model.embed.weight  # tie kept, both dense
@@ -188,7 +183,8 @@ def test_include_exclude_filter_and_layer_config():
         (16, 32),
         4,
     )
-    filtered = cc.optimize(model, filter_fn=lambda m, name: name != "net.2", compile=False)
+    filtered = cc.optimize(model, cc.CompressionConfig(filter_fn=lambda m, name: name != "net.2"),
+                           compile=False)
     assert not isinstance(filtered.get_submodule("net.2"), TTLinear)
     assert cc.summary(filtered).skipped["net.2"] == "filter_fn returned False"
 

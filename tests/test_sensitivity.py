@@ -84,8 +84,9 @@ def test_the_allocator_gives_the_felt_layer_more_rank():
     torch.manual_seed(0)
     model = Branches(48)
     x = torch.randn(512, 48)
-    small = cc.optimize(copy.deepcopy(model), 0.5, init="dense", example_inputs=x,
-                        compile=False, format="lowrank", include=["a", "b"], inplace=True)
+    small = cc.optimize(copy.deepcopy(model), cc.CompressionConfig(budget=0.5, include=["a", "b"]),
+                        init="dense", example_inputs=x, compile=False, format="lowrank",
+                        inplace=True)
     rank_a = small.a.ranks[1] if hasattr(small.a, "ranks") else 48
     rank_b = small.b.ranks[1] if hasattr(small.b, "ranks") else 48
     assert rank_a > rank_b  # same weights, same inputs: only how much y feels them differs
@@ -119,8 +120,10 @@ def test_only_output_errors_are_weighed_and_the_summary_shows_it(fmt, weighed):
     spectrum is the weight's error and keeps its old weight."""
     torch.manual_seed(0)
     model = Branches(48)
-    small = cc.optimize(copy.deepcopy(model), 0.5, init="dense", example_inputs=torch.randn(
-        256, 48), compile=False, format=fmt, include=["a", "b"], inplace=True)
+    small = cc.optimize(copy.deepcopy(model), cc.CompressionConfig(budget=0.5, include=["a", "b"]),
+                        init="dense", example_inputs=torch.randn(
+        256, 48), compile=False,
+                        format=fmt, inplace=True)
     records = {r["name"]: r for r in cc.summary(small).records}
     assert records
     assert all((r["sensitivity"] is not None) == weighed for r in records.values())

@@ -89,8 +89,10 @@ def test_optimize_with_example_inputs_truncates_what_the_outputs_feel():
     for name, example in (("plain", None), ("whitened", x)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            student = cc.optimize(copy.deepcopy(teacher), None, example_inputs=example,
-                                  init="dense", compile=False, max_rank=6, format="lowrank")
+            student = cc.optimize(copy.deepcopy(teacher), cc.CompressionConfig(budget=None,
+                                                                               max_rank=6),
+                                  example_inputs=example, init="dense", compile=False,
+                                  format="lowrank")
         with torch.no_grad():
             errors[name] = float((student(x) - teacher(x)).square().sum()
                                  / teacher(x).square().sum())
@@ -172,9 +174,10 @@ def test_optimize_weighs_table_rows_by_lookup_frequency_and_holds_on_other_batch
     for name, example in (("plain", None), ("weighted", calibration)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            students[name] = cc.optimize(copy.deepcopy(teacher), 0.3, example_inputs=example,
-                                         init="dense", compile=False, format="tt",
-                                         exclude=["head"])
+            students[name] = cc.optimize(copy.deepcopy(teacher), cc.CompressionConfig(budget=0.3,
+                                                                                      exclude=["head"]),
+                                         example_inputs=example, init="dense", compile=False,
+                                         format="tt")
         with torch.no_grad():
             want = teacher.table(held_out)
             errors[name] = float((students[name].table(held_out) - want).norm() / want.norm())

@@ -14,8 +14,6 @@ from typing import Any
 from comera_compile.compile.state import CompiledState, compiled_state
 
 _LAZY = {
-    "BackendOptions": "comera_compile.compile.options",
-    "parse_options": "comera_compile.compile.options",
     "comera_backend": "comera_compile.compile.backend",
     "graphs_compiled": "comera_compile.compile.backend",
     "tensorized_nodes": "comera_compile.compile.backend",

@@ -81,7 +81,7 @@ from comera_compile.compile.cpu.pooled_kernels import pooled_kernels
 from comera_compile.compile.graph.absorbed_attention import absorb_attention
 from comera_compile.compile.graph.recompute import SaveRandomValues, partition_keeping_random
 from comera_compile.compile.graph.sibling_matmuls import fuse_sibling_matmuls
-from comera_compile.compile.options import BackendOptions, parse_options
+from comera_compile.config import CompileOptions
 from comera_compile.planner.ops import CONTRACT, TENSORIZED_OPS, row_bucket
 
 log = logging.getLogger("comera_compile")
@@ -95,16 +95,20 @@ def tensorized_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in TENSORIZED_OPS]
 
 
-def _apply_plan_options(nodes: list[fx.Node], opts: BackendOptions) -> None:
-    """Override the objective / autotune arguments of the contraction nodes in place."""
+def _apply_plan_options(nodes: list[fx.Node], opts: CompileOptions) -> None:
+    """Override the objective / autotune arguments of the contraction nodes in place (found
+    by name in the op's schema)."""
+    given = {"objective": opts.objective, "autotune": opts.autotune}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return
+    position = {arg.name: i for i, arg in enumerate(CONTRACT._schema.arguments)}
     for node in nodes:
         if node.target is not CONTRACT:
             continue
         args = list(node.args)
-        if opts.objective is not None:
-            args[5] = opts.objective
-        if opts.autotune is not None:
-            args[6] = opts.autotune
+        for name, value in given.items():
+            args[position[name]] = value
         node.args = tuple(args)
 
 
@@ -158,17 +162,18 @@ _host_memory_request: dict[str, str | None] = {"mode": None}  # what a compile a
 _host_memory_warned: set[tuple[str, str]] = set()
 
 
-def _set_host_memory(opts: BackendOptions) -> None:
+def _set_host_memory(opts: CompileOptions) -> None:
     """Apply ``host_memory`` when asked for (``"off"``, the default, changes nothing). The
     mode is process-wide: the first compile that asks for one sets it; a later compile
     asking for another warns once and leaves it. ``"cache"`` falls back, where the block
     cache cannot be built, to reuse at the default budget and release below it."""
-    asked = opts.host_memory or "off"
+    asked = opts.host_memory
     current = host_memory_mode()
     if current is None:  # nothing set in this process (or restore_host_memory since)
         _host_memory_request["mode"] = None
         if asked != "off":
-            fallback = "reuse" if opts.memory >= 1 else "release"
+            # no block cache: keep freed memory at the default budget, hand it back below
+            fallback = "release" if opts.low_memory else "reuse"
             for mode in (asked,) if asked != "cache" else ("cache", fallback):
                 if set_host_memory(mode):
                     _host_memory_request["mode"] = asked
@@ -177,7 +182,7 @@ def _set_host_memory(opts: BackendOptions) -> None:
         owner = _host_memory_request["mode"]
         if (owner is not None or asked != "off") and asked != (owner or current):
             _warn_host_memory(owner or current, asked)
-    if opts.memory < 1 and host_memory_mode() == "release":
+    if opts.low_memory and host_memory_mode() == "release":
         _hint_huge_pages()
 
 
@@ -234,7 +239,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     """Compile one dynamo graph: tune its tensorized contractions, then inductor."""
     global _graphs_compiled
     _graphs_compiled += 1
-    opts = parse_options(kwargs.get("options"), kwargs.get("mode"))
+    opts = CompileOptions.from_backend_options(kwargs.get("options"), kwargs.get("mode"))
     nodes = tensorized_nodes(gm)
     reads_cores = bool(nodes) or _reads_cores(gm)  # CoLA layers are plain matmuls
     if nodes:
@@ -251,23 +256,23 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
     if cpu:
         _set_host_memory(opts)
     # the partitioner reads the activation budget while the graph is compiled, right here
-    with torch._functorch.config.patch(activation_memory_budget=opts.memory):
+    with torch._functorch.config.patch(activation_memory_budget=opts.activation_budget):
         sparse = opts.inductor and has_sparse_embedding(gm)
         if sparse:
             log.info("comera backend: this graph looks up a sparse=True embedding table left "
                      "dense; inductor cannot compile sparse gradients, so it runs with AOT "
                      "autograd and eager kernels")
         if not opts.inductor or sparse:
-            return _aot_eager(gm, example_inputs, low_memory=opts.memory < 1)
+            return _aot_eager(gm, example_inputs, low_memory=opts.low_memory)
         from torch._inductor.compile_fx import compile_fx
 
         cuda = _on_cuda(example_inputs)
         cudagraphs = opts.cudagraphs if opts.cudagraphs is not None else cuda
-        config = {**opts.config, "triton.cudagraphs": bool(cudagraphs)}
-        if "joint_custom_pre_pass" not in config and (opts.memory < 1 or not cuda):
+        config = {**opts.inductor_config, "triton.cudagraphs": bool(cudagraphs)}
+        if "joint_custom_pre_pass" not in config and (opts.low_memory or not cuda):
             # the forward's dropout masks in backward; on CPU, hashed masks are recomputed,
             # and so are comparison masks (inductor's CPU kernels store booleans slowly)
-            config["joint_custom_pre_pass"] = SaveRandomValues(low_memory=opts.memory < 1,
+            config["joint_custom_pre_pass"] = SaveRandomValues(low_memory=opts.low_memory,
                                                                cpu=not cuda)
         # On CPU, inductor's own dropout RNG is slower than aten's: aten's random numbers,
         # and dropout masks hashed from element indices (compile.cpu.dropout); its tag keys the
@@ -283,7 +288,7 @@ def comera_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: 
             config.setdefault("post_grad_custom_pre_pass", CpuPostGradPasses())
         return compile_fx(gm, example_inputs, config_patches=config,
                           decompositions=decompositions,
-                          inner_compile=_compile_then_release(cuda))
+                          inner_compile=_compile_then_release(cuda, opts))
 
 
 class CpuPostGradPasses(CustomGraphPass):
@@ -302,7 +307,7 @@ class CpuPostGradPasses(CustomGraphPass):
         return digest.digest()
 
 
-def _compile_then_release(cuda: bool):
+def _compile_then_release(cuda: bool, opts: CompileOptions):
     """Inductor's inner compile (called once for the forward, once for the backward); on
     CPU followed by :func:`release_free_heap`: compiling frees far more than it keeps, and
     with reuse on, the heap would hold it."""
@@ -310,14 +315,14 @@ def _compile_then_release(cuda: bool):
 
     if cuda:
         def compile_with_rules_once(*args: Any, **kwargs: Any):
-            with dtype_rules_once():
+            with dtype_rules_once(opts.dtype_rules_once):
                 return compile_fx_inner(*args, **kwargs)
 
         return compile_with_rules_once
 
     def compile_and_release(*args: Any, **kwargs: Any):
         # one compiler run per worker, not per kernel; dtype rules built once, not per op
-        with pooled_kernels(), dtype_rules_once():
+        with pooled_kernels(opts.pooled_kernels), dtype_rules_once(opts.dtype_rules_once):
             compiled = compile_fx_inner(*args, **kwargs)
         release_free_heap()
         return compiled

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from comera_compile.compile.options import parse_options
 from comera_compile.compile.policy.blocks import (
     BlockCompile,
     repeated_blocks,
@@ -24,21 +23,18 @@ RECOMPILE_LIMIT = 64
 
 def compile_model(
     model: nn.Module,
-    config: CompileOptions | None = None,
+    options: CompileOptions | None = None,
     *,
     dynamic: bool | None = None,
     inplace: bool = False,
-    in_place: bool | None = None,
     measure: bool = False,
-    blocks: bool | None = None,
-    symbolic_ranks: bool | None = None,
-    **options: Any,
+    **fields: Any,
 ) -> nn.Module:
-    """``torch.compile(model, backend="comera", dynamic=dynamic, options=options)``.
+    """``torch.compile(model, backend="comera", dynamic=dynamic, options=...)``.
 
     The backend's options come as a :class:`~comera_compile.config.CompileOptions`
-    (``compile_model(model, CompileOptions(memory="low"))``) or as keywords
-    (``compile_model(model, memory="low")``), not both.
+    (``compile_model(model, CompileOptions(memory="low"))``) or as keywords, as the
+    backend's options dict takes them (``compile_model(model, memory="low")``), not both.
 
     ``dynamic=None`` (torch's automatic dynamic shapes): the first batch size compiles a
     static graph; when another one arrives, the batch dimension turns symbolic and the
@@ -49,44 +45,33 @@ def compile_model(
     ``model.compile`` does (see :func:`_entry`), and returns ``model`` itself (its class
     is kept). ``measure=True`` (in place only) times the first training (and inference)
     steps compiled against eager and keeps the faster (``compile.policy.measured``).
-    ``blocks`` (in place only): compile the model's repeated blocks, one graph for blocks
-    of equal shapes, and run the rest eager (``compile.policy.blocks``: the first compile grows far
-    less with depth); None: where each graph would serve three blocks or more
-    (``compile.policy.blocks.blocks_pay``, ranks apart where they are symbolic), and the whole
-    model otherwise; True: the blocks, or an
-    error where there are none; False: the whole model. A ``CompileOptions`` carries it as
-    ``blocks``. ``symbolic_ranks`` (in place only): True: the graphs keep the TT layers'
-    rank bonds symbolic, so a rank cut or a block of other ranks needs no new graph
-    (``compile.policy.rank_dims``); False: graphs specialised to the ranks (faster steps, a
-    recompile per cut); None: symbolic where a measured compile learns that the run will
-    cut ranks (``MeasuredCompile.expect_cuts``), else static. A ``CompileOptions``
-    carries it too.
-    ``memory="low"`` recomputes cheap activations in backward (see ``BackendOptions``).
+    ``options.blocks`` (in place only): compile the model's repeated blocks, one graph for
+    blocks of equal shapes, and run the rest eager (``compile.policy.blocks``: the first
+    compile grows far less with depth); None: where each graph would serve three blocks or
+    more (``compile.policy.blocks.blocks_pay``, ranks apart where they are symbolic), and
+    the whole model otherwise; True: the blocks, or an error where there are none; False:
+    the whole model. ``options.symbolic_ranks`` (in place only): True: the graphs keep the
+    TT layers' rank bonds symbolic, so a rank cut or a block of other ranks needs no new
+    graph (``compile.policy.rank_dims``); False: graphs specialised to the ranks (faster
+    steps, a recompile per cut); None: symbolic where a measured compile learns that the
+    run will cut ranks (``MeasuredCompile.expect_cuts``), else static.
     Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
     core shapes, and each change is a recompile that must not push the model to eager.
     """
-    if isinstance(config, bool):  # the old second positional argument
-        warnings.warn("compile_model(model, dynamic) positionally is deprecated: pass "
-                      "dynamic= by name (the second argument is a CompileOptions)",
-                      DeprecationWarning, stacklevel=2)
-        config, dynamic = None, config
-    if in_place is not None:
-        warnings.warn("compile_model(in_place=) is renamed inplace=, as optimize(inplace=) "
-                      "and torch's own in-place flags spell it", DeprecationWarning,
-                      stacklevel=2)
-        inplace = in_place
-    if config is not None:
-        if options:
-            raise ValueError(f"compile_model takes a CompileOptions or keyword options, not "
-                             f"both (got {sorted(options)} beside it); set them on the "
-                             "CompileOptions")
-        if not isinstance(config, CompileOptions):
-            raise TypeError(f"compile_model's second argument is a CompileOptions, got "
-                            f"{type(config).__name__}")
-        options = config.to_backend_options()
-        blocks = config.blocks if blocks is None else blocks
-        symbolic_ranks = config.symbolic_ranks if symbolic_ranks is None else symbolic_ranks
-    parse_options(options)
+    if options is not None and fields:
+        raise ValueError(f"compile_model takes a CompileOptions or keyword options, not "
+                         f"both (got {sorted(fields)} beside it); set them on the "
+                         "CompileOptions")
+    if options is None:  # the backend's dict, and the two options of in-place compiles
+        placed = {name: fields.pop(name) for name in ("blocks", "symbolic_ranks")
+                  if name in fields}
+        options = dataclasses.replace(CompileOptions.from_backend_options(fields), **placed)
+    if not isinstance(options, CompileOptions):
+        raise TypeError(f"compile_model's second argument is a CompileOptions, got "
+                        f"{type(options).__name__}")
+    CompileOptions.from_backend_options(options)  # inductor's entries checked now
+    blocks, symbolic_ranks = options.blocks, options.symbolic_ranks
+    backend_options = options.to_backend_options() or None
     # every prune and every new batch size is one more graph: leave room for a training run
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
@@ -95,10 +80,10 @@ def compile_model(
     if blocks and not inplace:
         raise ValueError("blocks=True compiles the model's blocks in place: pass inplace=True")
     if not inplace:
-        return torch.compile(model, backend="comera", dynamic=dynamic, options=options or None)
+        return torch.compile(model, backend="comera", dynamic=dynamic, options=backend_options)
 
     def comera(fn: Any) -> Any:
-        return torch.compile(fn, backend="comera", dynamic=dynamic, options=options or None)
+        return torch.compile(fn, backend="comera", dynamic=dynamic, options=backend_options)
 
     # as nn.Module.compile: the model keeps its class, attributes and methods
     found = repeated_blocks(model) if blocks is not False else []

@@ -13,13 +13,12 @@ and without it).
 :func:`dtype_rules_once` runs the original ``__init__`` only when the rule registries have
 changed since it last ran (they are filled at import; a later registration rebuilds the
 table), so every construction after the first returns the same, complete instance.
-``COMERA_DTYPE_RULES_ONCE=0`` turns it off.
+``CompileOptions(dtype_rules_once=False)`` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,11 +31,12 @@ def _registries_key() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def dtype_rules_once() -> Iterator[None]:
-    """Within: the dtype handler's rule table is built once (module docstring)."""
+def dtype_rules_once(enabled: bool = True) -> Iterator[None]:
+    """Within: the dtype handler's rule table is built once (module docstring);
+    ``enabled=False`` changes nothing."""
     from torch._inductor.dtype_propagation import DtypePropagationOpsHandler as Handler
 
-    if os.environ.get("COMERA_DTYPE_RULES_ONCE", "1") == "0" or "_comera_built" in vars(Handler):
+    if not enabled or "_comera_built" in vars(Handler):
         yield  # off, or already patched by an enclosing compile
         return
     init = Handler.__init__

@@ -1,8 +1,8 @@
 """Build a graph's CPU kernels in one compiler run per worker, not one run per kernel.
 
 Inductor builds every CPU kernel of a graph into its own shared library: one ``g++`` run
-per kernel, and each run first loads the precompiled ATen vector header (about 150 MB),
-near a second before any of the kernel's own code. A transformer block's training graph
+per kernel, and each run first loads the precompiled ATen vector header before any of the
+kernel's own code (docs/cpu-performance.md, "Pooled kernels"). A transformer block's training graph
 has some twenty kernels, so a first compile spends most of its C++ time starting
 compilers. Here the kernels one generated module hands inductor are pooled instead: one
 source per compile worker, each kernel in a namespace of its own, one Python binding per
@@ -11,14 +11,13 @@ first compile's time; ``benchmarks/results/pooled_kernels.md`` measures both way
 
 Everything else stays inductor's: its on-disk cache (keyed by the pooled source), its
 worker pool and its compile flags. Should a pooled build fail, each kernel is built alone,
-as inductor would have; ``COMERA_POOLED_KERNELS=0`` in the environment turns pooling off.
+as inductor would have; ``CompileOptions(pooled_kernels=False)`` turns pooling off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -194,11 +193,12 @@ PyMODINIT_FUNC PyInit_@ENTRY@(void) {
 
 
 @contextlib.contextmanager
-def pooled_kernels() -> Iterator[None]:
-    """Within: each generated module's CPU kernels are built in pools (module docstring)."""
+def pooled_kernels(enabled: bool = True) -> Iterator[None]:
+    """Within: each generated module's CPU kernels are built in pools (module docstring);
+    ``enabled=False`` changes nothing."""
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 
-    if os.environ.get("COMERA_POOLED_KERNELS", "1") == "0":
+    if not enabled:
         yield
         return
     bind, wait = AsyncCompile.cpp_pybinding, AsyncCompile.wait
