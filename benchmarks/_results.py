@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from comera_compile.machine import describe_machine
+from comera_compile.cli.machine import describe_machine
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -26,9 +26,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import table  # noqa: E402
 
-from comera_compile.machine import describe_machine  # noqa: E402
-from comera_compile.models.pair_task import PairTask  # noqa: E402
-from comera_compile.models.six_encoder import SixEncoderConfig, reference_tensorized  # noqa: E402
+from comera_compile.cli.machine import describe_machine  # noqa: E402
+from comera_compile.cli.pair_task import PairTask  # noqa: E402
+from comera_compile.cli.six_encoder import SixEncoderConfig, reference_tensorized  # noqa: E402
 from comera_compile.training import RankAdaptiveTrainer, param_groups  # noqa: E402
 
 

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comera_compile.compile import capture_train_step
-from comera_compile.models.six_encoder import (
+from comera_compile.cli.six_encoder import (
     SixEncoderClassifier,
     SixEncoderConfig,
     reference_tensorized,
 )
+from comera_compile.compile import capture_train_step
 from comera_compile.nn import TTEmbedding, TTLinear
 
 

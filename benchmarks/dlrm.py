@@ -35,10 +35,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # dlrm_model
 
-import comera_compile as cc  # noqa: E402
-from comera_compile.machine import describe_machine  # noqa: E402
-from comera_compile.models.dlrm import (  # noqa: E402
+from dlrm_model import (  # noqa: E402
     CRITEO_KAGGLE_CARDINALITIES,
     DLRM,
     Adagrad,
@@ -46,6 +45,9 @@ from comera_compile.models.dlrm import (  # noqa: E402
     auc,
     log_loss,
 )
+
+import comera_compile as cc  # noqa: E402
+from comera_compile.cli.machine import describe_machine  # noqa: E402
 
 ROWS = ("dense", "comera", "torchrec")
 HELD_OUT_SEED = 10**9

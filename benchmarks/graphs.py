@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from comera_compile.cli.machine import describe_machine
+from comera_compile.cli.six_encoder import SixEncoderConfig, reference_tensorized
 from comera_compile.compile.backend import comera_backend
-from comera_compile.machine import describe_machine
-from comera_compile.models.six_encoder import SixEncoderConfig, reference_tensorized
 
 
 def main() -> None:

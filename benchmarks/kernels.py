@@ -40,9 +40,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import median_seconds, table  # noqa: E402
 
+from comera_compile.cli.machine import describe_machine  # noqa: E402
 from comera_compile.compile.cpu.host_memory import set_host_memory  # noqa: E402
 from comera_compile.compile.cpu.reductions import SplitRowSums  # noqa: E402
-from comera_compile.machine import describe_machine  # noqa: E402
 from comera_compile.planner.alignment import aligned_rank  # noqa: E402
 
 ROWS = 4096

@@ -68,7 +68,7 @@ def main() -> None:
     from tqdm import tqdm
 
     import comera_compile
-    from comera_compile.machine import describe_machine
+    from comera_compile.cli.machine import describe_machine
 
     package_root = str(Path(comera_compile.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": package_root}  # children import the same package

@@ -46,10 +46,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import forward_backward, median_seconds, table  # noqa: E402
 
+from comera_compile.cli.machine import describe_machine  # noqa: E402
+from comera_compile.cli.pair_task import PairTask  # noqa: E402
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig  # noqa: E402
 from comera_compile.formats import factorize  # noqa: E402
-from comera_compile.machine import describe_machine  # noqa: E402
-from comera_compile.models import SixEncoderClassifier, SixEncoderConfig  # noqa: E402
-from comera_compile.models.pair_task import PairTask  # noqa: E402
 from comera_compile.nn import LowRankLinear, TTLinear  # noqa: E402
 
 LEVELS = (4, 16, 64)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import forward_backward, median_seconds, table  # noqa: E402
 
 from comera_compile import TTLinear, TTMLinear  # noqa: E402
-from comera_compile.machine import describe_machine  # noqa: E402
+from comera_compile.cli.machine import describe_machine  # noqa: E402
 from comera_compile.planner import (  # noqa: E402
     clear_memory_cache,
     get_plan,

@@ -34,11 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # minilm_corpus
 from _results import write_results  # noqa: E402
-
-import comera_compile as cc  # noqa: E402
-from comera_compile.machine import describe_machine  # noqa: E402
-from comera_compile.models.minilm import (  # noqa: E402
+from minilm_corpus import (  # noqa: E402
     embedding_cosine,
     load_minilm,
     package_sentences,
@@ -46,6 +44,9 @@ from comera_compile.models.minilm import (  # noqa: E402
     stdlib_sentences,
     tokenized_batches,
 )
+
+import comera_compile as cc  # noqa: E402
+from comera_compile.cli.machine import describe_machine  # noqa: E402
 
 CORPORA = ("stdlib", "packages")
 

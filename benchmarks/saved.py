@@ -24,8 +24,8 @@ def saved_for_backward(batch: int, seq: int, layers: int, memory: str | float) -
     import torch._inductor.compile_fx as inductor
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from comera_compile.cli.six_encoder import SixEncoderConfig, reference_tensorized
     from comera_compile.compile import compile_model
-    from comera_compile.models.six_encoder import SixEncoderConfig, reference_tensorized
 
     kept: Counter = Counter()
     partition = inductor.min_cut_rematerialization_partition
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--memory", default="default,low")
     args = parser.parse_args()
 
-    from comera_compile.machine import describe_machine
+    from comera_compile.cli.machine import describe_machine
 
     print(describe_machine())
     print(f"six-encoder, {args.layers} layers, batch {args.batch} x {args.seq}, train mode")

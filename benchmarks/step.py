@@ -143,13 +143,13 @@ def run_row(row: str, batch: int, seq: int, layers: int, steps: int, warmup: int
     import torch
     import torch.nn.functional as F
 
-    from comera_compile.compile import compile_model
-    from comera_compile.compile.cpu.host_memory import set_host_memory
-    from comera_compile.models.six_encoder import (
+    from comera_compile.cli.six_encoder import (
         SixEncoderClassifier,
         SixEncoderConfig,
         reference_tensorized,
     )
+    from comera_compile.compile import compile_model
+    from comera_compile.compile.cpu.host_memory import set_host_memory
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if host_memory != "default":
@@ -359,7 +359,7 @@ def main() -> None:
 
     from tqdm import tqdm
 
-    from comera_compile.machine import describe_machine
+    from comera_compile.cli.machine import describe_machine
 
     print(describe_machine())
     rows = [r for r in args.rows.split(",") if r]

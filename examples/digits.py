@@ -30,7 +30,7 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 from tqdm.auto import tqdm
 
-from comera_compile.machine import describe_machine, reproducible
+from comera_compile.cli.machine import describe_machine, reproducible
 from comera_compile.nn import TTLinear
 from comera_compile.training import (
     RankAdaptiveTrainer,

@@ -21,9 +21,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import comera_compile as cc  # noqa: E402
-from comera_compile.machine import describe_machine  # noqa: E402
-from comera_compile.models.dlrm import (  # noqa: E402
+from dlrm_model import (  # noqa: E402
     CRITEO_KAGGLE_CARDINALITIES,
     DLRM,
     Adagrad,
@@ -31,6 +29,9 @@ from comera_compile.models.dlrm import (  # noqa: E402
     auc,
     log_loss,
 )
+
+import comera_compile as cc  # noqa: E402
+from comera_compile.cli.machine import describe_machine  # noqa: E402
 
 
 def main() -> None:

@@ -26,16 +26,16 @@ import time
 import warnings
 
 import torch
-
-import comera_compile as cc
-from comera_compile.machine import describe_machine
-from comera_compile.models.minilm import (
+from minilm_corpus import (
     embedding_cosine,
     load_minilm,
     sentence_embedding,
     stdlib_sentences,
     tokenized_batches,
 )
+
+import comera_compile as cc
+from comera_compile.cli.machine import describe_machine
 
 
 def main() -> None:

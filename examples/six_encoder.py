@@ -1,13 +1,13 @@
 """CoMERA on the six-encoder classifier of the MNLI experiment, shortened to run in minutes.
 
-The model is ``comera_compile.models.six_encoder`` (post-LN BERT-like encoder, CLS ->
+The model is ``comera_compile.cli.six_encoder`` (post-LN BERT-like encoder, CLS ->
 fc1 -> tanh -> fc2). We train it dense and tensorized (every encoder Linear and fc1 as
 TTLinear, the word embedding as TTEmbedding; the CoMERA paper's factorizations when the
 size is the paper's 768 / 3072) for the same number of steps; the tensorized one goes through
 CoMERA's early stage, then a late stage towards ``--target-ratio`` of its size.
 
 Data: by default the synthetic sentence-pair problem of
-``comera_compile.models.pair_task`` (the label compares how many "marked" words each
+``comera_compile.cli.pair_task`` (the label compares how many "marked" words each
 sentence holds, so the answer needs attention across the pair).
 With ``--mnli DIR`` it reads GLUE's ``train.tsv`` and ``dev_matched.tsv`` from disk
 (nothing is downloaded). Words are lower-cased, split on ``\\w+|[^\\w\\s]`` and hashed
@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from comera_compile.machine import describe_machine, reproducible
-from comera_compile.models.pair_task import PairTask
-from comera_compile.models.six_encoder import (
+from comera_compile.cli.machine import describe_machine, reproducible
+from comera_compile.cli.pair_task import PairTask
+from comera_compile.cli.six_encoder import (
     SixEncoderClassifier,
     SixEncoderConfig,
     reference_tensorized,

@@ -1,7 +1,9 @@
 """Test-wide settings: plan files go to a temporary cache, never to the user's ~/.cache."""
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # parallel workers: a core each, not two threads each
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -10,6 +12,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 os.environ.setdefault("COMERA_CACHE_DIR", tempfile.mkdtemp(prefix="comera-test-cache-"))
+# the demo models outside the package (examples/dlrm_model.py, examples/minilm_corpus.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from dlrm_model import DLRM
 from torch import Tensor, nn
 
 
@@ -42,21 +43,10 @@ class SmallCNN(nn.Module):
         return self.head(torch.relu(self.fc(x)))
 
 
-class DLRM(nn.Module):
-    """DLRM-style: EmbeddingBag tables for sparse features, a bottom MLP for dense ones, and
-    a top MLP on their concatenation (one large table, as in recommendation models)."""
-
-    def __init__(self, tables=(20000, 1000, 500), dim: int = 32, dense: int = 13) -> None:
-        super().__init__()
-        self.tables = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in tables)
-        self.bottom = nn.Sequential(nn.Linear(dense, 128), nn.ReLU(), nn.Linear(128, dim))
-        width = dim * (len(tables) + 1)
-        self.top = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, 1))
-
-    def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
-        """``dense``: (batch, 13) floats; ``sparse``: (tables, batch, ids per bag) ints."""
-        pooled = [table(ids) for table, ids in zip(self.tables, sparse)]
-        return self.top(torch.cat([self.bottom(dense), *pooled], dim=1)).squeeze(1)
+def small_dlrm(tables=(20000, 1000, 500), dim: int = 32, sparse: bool = False) -> DLRM:
+    """The one DLRM (``examples/dlrm_model.py``) at test size: a few EmbeddingBag tables
+    (one large, as in recommendation models), one hidden layer in each MLP."""
+    return DLRM(tables, dim=dim, bottom=(128,), top=(256,), sparse=sparse)
 
 
 def dlrm_batch(model: DLRM, batch: int = 8, bag: int = 3, seed: int = 0):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_models import HF_MODELS
-from models import DLRM, dlrm_batch
+from models import dlrm_batch, small_dlrm
 from safetensors.torch import load_file
 from torch import nn
 
@@ -37,7 +37,7 @@ def _encoder():
 
 def _dlrm():
     def build():
-        return DLRM(tables=(5000, 300), dim=16)
+        return small_dlrm((5000, 300), dim=16)
 
     torch.manual_seed(0)
     inputs = dlrm_batch(build())

@@ -16,9 +16,9 @@ from torch import nn
 
 import comera_compile
 import comera_compile.compile as cc
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.compile import backend as backend_module
 from comera_compile.config import CompileOptions
-from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
 from comera_compile.training.pruning import prune_model
 

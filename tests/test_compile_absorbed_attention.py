@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.compile import compile_model
 from comera_compile.compile.graph.absorbed_attention import absorbed_attention, bond_factors
-from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTLinear
 
 

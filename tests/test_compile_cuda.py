@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_compile.compile as cc
-from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTEmbedding, TTLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

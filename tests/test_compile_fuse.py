@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import comera_compile as cc
-from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import tensorized_layers
 from comera_compile.passes.fuse import fuse_linear_siblings, sibling_groups
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import comera_compile.compile as cc
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.config import CompileOptions
-from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import TTEmbedding, TTLinear
 
 

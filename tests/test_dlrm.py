@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from dlrm_model import DLRM, Adagrad, SyntheticClicks, auc, log_loss
 
 import comera_compile as cc
-from comera_compile.models.dlrm import DLRM, Adagrad, SyntheticClicks, auc, log_loss
 from comera_compile.nn import TTEmbedding, TTLinear
 
 CARDS = (30_000, 5000, 40, 7)

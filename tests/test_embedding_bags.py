@@ -17,7 +17,7 @@ import comera_compile as cc
 import comera_compile.compile  # noqa: F401  (the lookup as one op under torch.compile)
 from comera_compile.nn import TTEmbedding
 from comera_compile.planner.embedding import CHAIN
-from tests.models import DLRM, dlrm_batch
+from tests.models import dlrm_batch, small_dlrm
 
 
 def _random_gates(layer: TTEmbedding) -> None:
@@ -166,22 +166,10 @@ def test_out_of_range_ids_rejected_eagerly_and_compiled():
         compiled(torch.tensor([[-1, 4]]))
 
 
-class _SparseDLRM(DLRM):
-    """The test DLRM with ``sparse=True`` tables and a forward torch.fx can trace."""
-
-    def __init__(self) -> None:
-        super().__init__(tables=(20_000, 1000, 500), dim=16)
-        for table in self.tables:
-            table.sparse = True
-
-    def forward(self, dense, sparse):
-        pooled = [table(sparse[i]) for i, table in enumerate(self.tables)]
-        return self.top(torch.cat([self.bottom(dense), *pooled], dim=1)).squeeze(1)
-
-
-def _sparse_dlrm() -> DLRM:
+def _sparse_dlrm():
+    """The test DLRM with ``sparse=True`` tables (its forward traces with torch.fx)."""
     torch.manual_seed(0)
-    return _SparseDLRM()
+    return small_dlrm((20_000, 1000, 500), dim=16, sparse=True)
 
 
 def test_sparse_tables_are_tensorized_with_dense_core_grads():

@@ -14,7 +14,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "comera_compile"
 LAYERS: dict[str, int] = {
     # leaf helpers that import nothing of the package
     "tables": 0,
-    "machine": 0,
     # the chain of the design, bottom to top
     "formats": 1,
     "planner": 2,
@@ -23,12 +22,9 @@ LAYERS: dict[str, int] = {
     "training": 4,
     "compile": 4,
     "config": 4,  # CompressionConfig / CompileOptions: read by compile, built by api
-    "models": 4,  # example architectures built from nn layers
     "io": 5,  # save / load: layers and the optimize report
     "api": 6,
-    "cli": 7,
-    "demo": 7,
-    "specs": 7,  # the command line's model specs
+    "cli": 7,  # the command, its model specs and the demo with its models
     "integrations": 7,
     "__init__": 8,
 }
@@ -130,3 +126,17 @@ def test_api_uses_only_the_public_surface_of_passes():
             assert node.module == "comera_compile.passes", f"api.py imports {node.module}"
             used += [alias.name for alias in node.names]
     assert used and set(used) <= set(passes.__all__)
+
+
+def test_importing_the_package_loads_no_demo_model_nor_the_compiler():
+    """``import comera_compile`` loads the library: not the command line's demo models (they
+    live in ``cli/``) and not dynamo or inductor (the backend loads them when it compiles)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, comera_compile\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('comera_compile.cli', "
+            "'torch._dynamo', 'torch._inductor'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=PACKAGE.parent)
+    assert done.stdout.strip() == "[]"

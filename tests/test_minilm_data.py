@@ -3,8 +3,7 @@
 from types import SimpleNamespace
 
 import torch
-
-from comera_compile.models.minilm import embedding_cosine, sentence_embedding, stdlib_sentences
+from minilm_corpus import embedding_cosine, sentence_embedding, stdlib_sentences
 
 
 def test_stdlib_sentences_are_deterministic_filtered_and_unique():
@@ -45,7 +44,7 @@ def test_embedding_cosine_is_one_for_the_same_model_and_lower_for_another():
 
 
 def test_package_sentences_are_another_source_and_deterministic():
-    from comera_compile.models.minilm import package_sentences
+    from minilm_corpus import package_sentences
 
     stdlib = set(stdlib_sentences())
     first = package_sentences(seed=0, exclude=stdlib)

@@ -5,12 +5,12 @@ caller's model is untouched, and save/load round-trips bit for bit."""
 import pytest
 import torch
 import torch.nn.functional as F
-from models import DLRM, MLP, SmallCNN, dlrm_batch
+from models import MLP, SmallCNN, dlrm_batch, small_dlrm
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 import comera_compile.api as cc
-from comera_compile.models.six_encoder import (
+from comera_compile.cli.six_encoder import (
     SixEncoderClassifier,
     SixEncoderConfig,
     reference_tensorized,
@@ -69,7 +69,7 @@ def _cases():
     six_ids = ids(1000)
     bert_ids, gpt_ids = ids(2000), ids(2000)
     labels = torch.tensor([0, 2])
-    dlrm_model = DLRM()
+    dlrm_model = small_dlrm()
     dlrm_in = dlrm_batch(dlrm_model)
     return [
         ("mlp", MLP, x_mlp, lambda m: F.cross_entropy(m(x_mlp), y_mlp), 0.2),

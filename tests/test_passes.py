@@ -3,11 +3,11 @@ report."""
 
 import pytest
 import torch
-from models import DLRM, MLP, dlrm_batch
+from models import MLP, dlrm_batch, small_dlrm
 from torch import nn
 
 import comera_compile.api as cc
-from comera_compile.models.six_encoder import SixEncoderClassifier, SixEncoderConfig
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import (
     SplitMultiheadAttention,
     TTEmbedding,
@@ -78,7 +78,7 @@ def test_shapes_rows_and_macs():
     assert info.layers["net.0"].input_shape == (2, 3, 256)
     assert info.layers["net.0"].rows == 6
     assert info.total_macs == 6 * (256 * 512 + 512 * 256 + 256 * 10)
-    dlrm = DLRM()
+    dlrm = small_dlrm()
     info = propagate_shapes(dlrm, dlrm_batch(dlrm, batch=8, bag=3))
     assert info.layers["tables.0"].rows == 24  # ids per call
     assert info.layers["bottom.0"].rows == 8

@@ -23,9 +23,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from comera_compile.api import Budget, optimize, plans, summary
-from comera_compile.machine import describe_machine, reproducible
-from comera_compile.models import SixEncoderClassifier, SixEncoderConfig
-from comera_compile.models.pair_task import PairTask
+from comera_compile.cli.machine import describe_machine, reproducible
+from comera_compile.cli.pair_task import PairTask
+from comera_compile.cli.six_encoder import SixEncoderClassifier, SixEncoderConfig
 from comera_compile.nn import tensorized_layers
 from comera_compile.training import RankAdaptiveTrainer, param_groups, plot_ranks
 

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from comera_compile import __version__
+from comera_compile.cli.model_specs import BUILTIN
 from comera_compile.passes.choose import AUTO
 from comera_compile.passes.specs import LINEAR_FORMATS
-from comera_compile.specs import BUILTIN
 
 DESCRIPTION = """\
 Compress a PyTorch model into tensor-train (TT/TTM) layers and inspect the result.
@@ -136,8 +136,8 @@ def _tensorized(spec: str, budget, layer_format: str | None = None):
     """The model ``spec`` names, optimized under ``budget`` (in ``layer_format``; None: the
     default) unless it is tensorized already."""
     from comera_compile.api import optimize
+    from comera_compile.cli.model_specs import load_spec
     from comera_compile.nn import tensorized_layers
-    from comera_compile.specs import load_spec
 
     cwd = os.getcwd()
     if ":" in spec and cwd not in sys.path and "" not in sys.path:
@@ -171,7 +171,7 @@ def _cmd_summary(args: argparse.Namespace) -> None:
 
 def _cmd_demo(args: argparse.Namespace) -> None:
     check_output_dir(args.out)
-    from comera_compile.demo import run_demo
+    from comera_compile.cli.demo import run_demo
 
     run_demo(steps=args.steps, out=args.out, seed=args.seed, threads=args.threads,
              progress=not args.quiet)

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from comera_compile.models import SixEncoderClassifier, SixEncoderConfig, reference_tensorized
+from comera_compile.cli.six_encoder import (
+    SixEncoderClassifier,
+    SixEncoderConfig,
+    reference_tensorized,
+)
 
 
 @dataclass
