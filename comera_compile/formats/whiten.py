@@ -126,13 +126,6 @@ def _apply_modes(weight: Tensor, factors: Sequence[Tensor], modes: Sequence[int]
     return t.reshape(rows, -1)
 
 
-def whiten_ttm_matrix(weight: Tensor, gram: Tensor, in_modes: Sequence[int],
-                      damping: float = DEFAULT_DAMPING) -> Tensor:
-    """``W (L_1 (x) ... (x) L_d)`` for ``W`` (``out x N_in``): TTM's whitened weight."""
-    factors = mode_gram_factors(gram, in_modes, damping)
-    return _apply_modes(weight, factors, in_modes).to(weight.dtype)
-
-
 def whitened_tt_svd(
     matrix: Tensor,
     gram: Tensor,

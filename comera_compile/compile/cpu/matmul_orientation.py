@@ -4,13 +4,12 @@ A TT layer's backward multiplies a thin activation's transpose by a wide gradien
 ``dB = h.T @ dy`` with ``h`` of 4096 x 32 and ``dy`` of 4096 x 768. MKL's sgemm runs this
 shape (a few output rows, a long reduction) below the transposed problem ``(dy.T @ h).T``,
 which has the same multiply-adds, when the thin side is 32 to 64 and the reduction is 2048
-rows or more: 1.0-1.4x at widths 384-3072 on a Zen 3 core pair. Below a thin side of 32
-the transposed problem is the slow one, by 1.2-9x (thin sides 9, 14, 20, 24 and 28, the
-ranks low-rank layers often get, at every depth and width), and at 1024 rows the gains
-vanish; those are left as written (``python benchmarks/kernels.py``, matmul section,
-measures each shape). The result is the same up to float rounding (another summation
-order inside the kernel). Float32 only: MKL's dgemm is the other way round (the same
-benchmark's float64 row).
+rows or more. Below a thin side of 32 the transposed problem is the slow one (at the ranks
+low-rank layers often get), and at 1024 rows the gains vanish; those are left as written
+(``python benchmarks/kernels.py``, matmul section, measures each shape; the numbers:
+docs/cpu-performance.md, "Matmul orientation"). The result is the same up to float
+rounding (another summation order inside the kernel). Float32 only: MKL's dgemm is the
+other way round (the same benchmark's float64 row).
 
 :func:`orient_thin_matmuls` rewrites ``mm(a, b)`` into ``mm(b.T, a.T).T`` where ``a`` is a
 transposed view with at most ``MAX_ROWS`` rows, the reduction is at least ``MIN_DEPTH``
@@ -27,6 +26,7 @@ from comera_compile.compile.graph.graph_nodes import call_with_value
 
 aten = torch.ops.aten
 
+# calibration: docs/cpu-performance.md, "Matmul orientation"
 MIN_ROWS = 32  # the thin side: a rank, a factor's width, from ...
 MAX_ROWS = 64  # ... up to here
 MIN_DEPTH = 2048  # the reduction: rows of activations (batch x sequence)

@@ -31,10 +31,9 @@ each setting keeps on the six-encoder at batch 32 x 128.
 
 **Comparison masks are remade in backward, on CPU** (:func:`recompute_masks`). A ReLU's
 backward reads ``out <= 0``; the min-cut keeps that boolean (one byte an element) rather
-than the float it came from. Inductor's CPU kernels write a boolean buffer about 20x slower
-than aten does and read it back slowly too (a 1024 x 3072 mask: about 20 ms to store and
-12 ms to read on a Zen 3 core pair, against 1 ms for aten; ``python benchmarks/compiled.py``
-shows what that costs torch's ReLU encoder). So such masks are marked ``MUST_RECOMPUTE``:
+than the float it came from. Inductor's CPU kernels write a boolean buffer far slower
+than aten does and read it back slowly too (docs/cpu-performance.md, "Comparison masks").
+So such masks are marked ``MUST_RECOMPUTE``:
 no boolean is stored and backward compares inside its own fused kernel. At the default
 memory setting this may keep the float the mask came from instead (4 bytes an element, not
 1); with ``memory="low"`` a mask is remade only when every float it reads is read by

@@ -12,7 +12,7 @@ apart, since they compile to different graphs. The choices and the measured rati
 in ``summary(model)``.
 
 A run's length does not come with its calls, and a first compile costs more than many
-short runs take in all (28-64 s on a 2-core CPU, for steps at most 1.43x faster). So calls
+short runs take in all, for steps only somewhat faster. So calls
 of unknown horizon run eager first, by the ski-rental rule: the race starts once eager
 calls of that kind have taken ``WAIT_S``, the time over which a compiled step at the best
 speedup seen (``MAX_SPEEDUP``) would have saved what the cheapest first compile costs
@@ -23,16 +23,15 @@ inference call counts its own duration. ``compile="always"`` skips both wait and
 
 When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
 cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
-first compile may not pay before its graph is thrown away: on a 2-core CPU a training
-graph's first compile took 28-64 s (``python benchmarks/compiled.py``, "compile s") for
-steps at most 1.43x faster. So eager steps are timed first, and the model compiles only if
+first compile may not pay before its graph is thrown away. So eager steps are timed
+first, and the model compiles only if
 the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
 steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
 On CPU one of those eager steps is profiled (``compile.policy.step_bound``), and the estimate is
 then what a compile is expected to save, not the most it could: the share of the bound's
 removable time compiled steps have removed (``REALIZED``), of the blocks that compile,
 against a typical first compile (``FIRST_COMPILE_S``). A run that is expected to lose time
-to its compile stays eager.
+to its compile stays eager. The constants' calibration: docs/cpu-performance.md.
 """
 
 from __future__ import annotations
@@ -61,44 +60,35 @@ MARGIN = 1.05
 CUDA a raced step is kept from it (``KEEP``). A recompile (a new batch-size region, a
 pruned rank) costs seconds, so a gain within timing noise is not worth it."""
 
-KEEP = {"cpu": 1.3, "cuda": MARGIN}
+KEEP = {"cpu": 1.3, "cuda": MARGIN}  # calibration: docs/cpu-performance.md
 """How much faster the raced compiled step must be for the run to keep it. On CPU a race's
-ratio has come out above the steady one by up to 0.12 (``benchmarks/results/compiled_shapes.md``:
-"compiled / eager (race)" 1.26x against "default / eager" 1.14x, 1.05x against 0.97x),
-every later recompile (a new batch-size region, an evaluation shape) costs 15-60 s, and a
-user reading "compiled" in the summary expects a clear gain: under 1.3x the run stays eager
-and ``summary`` says what the race measured. On CUDA compiled steps gain 1.5-2.7x and a
-recompile costs seconds: ``MARGIN``."""
+ratio comes out above the steady one, every later recompile (a new batch-size region, an
+evaluation shape) is costly, and a user reading "compiled" in the summary expects a clear
+gain: below ``KEEP`` the run stays eager and ``summary`` says what the race measured. On
+CUDA recompiles are cheap: ``MARGIN``."""
 
-CLOSE, CLOSE_TRIALS = 0.1, 4
+CLOSE, CLOSE_TRIALS = 0.1, 4  # calibration: docs/cpu-performance.md
 """A race whose ratio lands within ``CLOSE`` of ``KEEP`` times ``CLOSE_TRIALS`` more calls of
-each mode before it decides: on a 2-core CPU the same model's race measured 1.28x and 1.38x
-in two runs (``python benchmarks/compiled.py --models llama``), either side of 1.3x."""
+each mode before it decides: one model's races have landed either side of ``KEEP``."""
 
-MAX_SPEEDUP = {"cpu": 1.5, "cuda": 4.0}
-"""The most a compiled training step has gained over eager, with room (measured: 1.43x on
-a 2-core CPU, ``benchmarks/results/compiled_tt.md``; 2.7x on one H200, ``compiled_cuda.md``)."""
+MAX_SPEEDUP = {"cpu": 1.5, "cuda": 4.0}  # calibration: docs/cpu-performance.md
+"""The most a compiled training step has gained over eager, with room."""
 
-MIN_COMPILE_S = 15.0
+MIN_COMPILE_S = 15.0  # calibration: docs/cpu-performance.md
 """What a training graph's first compile costs at the least: about half the fastest measured
-from an empty cache (28 s on a 2-core CPU, ``benchmarks/results/compiled.md``), leaving room
-for faster machines. Gains under this cannot pay for compiling."""
+from an empty cache, leaving room for faster machines. Gains under this cannot pay for
+compiling."""
 
-REALIZED = 0.3
-"""The share of a profiled step's removable time (``compile.policy.step_bound``) a compiled CPU step
-is expected to remove. Measured: 0.25-0.70 over four models (``python benchmarks/compiled.py``,
-"default / eager" against "bound"), 0.22 over a whole rank-adaptive LLaMA run whose cuts
-shrink the kept kernels' time while the graph's own stays (``python benchmarks/pretrain.py
---rows comera,comera-compiled``); inductor's kernels take time too. Taken from the low end:
-a compile that does not pay leaves the run slower than eager, one not made leaves it as
-fast."""
+REALIZED = 0.3  # calibration: docs/cpu-performance.md
+"""The share of a profiled step's removable time (``compile.policy.step_bound``) a compiled
+CPU step is expected to remove (inductor's kernels take time too). Taken from the low end
+of what was measured: a compile that does not pay leaves the run slower than eager, one not
+made leaves it as fast."""
 
-FIRST_COMPILE_S = 30.0
-"""What a first compile of a training graph is expected to cost on CPU: 28-55 s from empty
-caches on a 2-core CPU (``python benchmarks/pooled_kernels.py``, blocks or whole models),
-about 31 s for the pretraining LLaMA's blocks (``python benchmarks/pretrain.py``). Used
-with a profiled bound, where the estimate is what compiling is expected to save, not the
-most it could."""
+FIRST_COMPILE_S = 30.0  # calibration: docs/cpu-performance.md
+"""What a first compile of a training graph is expected to cost on CPU (``python
+benchmarks/pooled_kernels.py`` measures it). Used with a profiled bound, where the estimate
+is what compiling is expected to save, not the most it could."""
 
 
 def expected_speedup(bound: float, compiled_share: float = 1.0) -> float:
@@ -116,7 +106,7 @@ def wait_for(best: float) -> float:
 
 WAIT_S = {device: wait_for(best) for device, best in MAX_SPEEDUP.items()}
 """Eager seconds of calls (training and inference apart) before a run of unknown length
-starts racing, where no profiled bound is known (45 s on CPU, 20 s on CUDA). Set
+starts racing, where no profiled bound is known. Set
 ``MeasuredCompile.wait_s`` to fix it for one model."""
 
 WARMUP = {COMPILED: 2, EAGER: 1}

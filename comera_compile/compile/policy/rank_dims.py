@@ -1,7 +1,7 @@
 """Rank dimensions symbolic in compiled graphs: one graph serves every rank a layer takes.
 
 Dynamo specialises a graph to its parameters' shapes, so each rank cut (``prune_ranks``)
-compiled the training graph again (tens of seconds on a 2-core CPU, each cut),
+compiled the training graph again (a first compile's cost, each cut),
 and blocks whose layers ``optimize`` gave different ranks needed a graph each. A TT
 chain's bonds are the only dimensions a cut changes, and no kernel needs their value: the
 planned contraction (``planner.ops``) reads them only to pick its program, through their

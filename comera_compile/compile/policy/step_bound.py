@@ -4,9 +4,8 @@ Compiled code on CPU calls the same kernels eager does for matrix products, atte
 convolutions (inductor runs them as extern kernels), and the optimizer step runs outside
 the compiled graph either way. Activations that evaluate a transcendental function per
 element (GELU's erf, SiLU's and tanh's exponentials) are bound by that arithmetic, not by
-memory: a fused kernel computes the same values in about the same time (the SDPA encoder
-of ``benchmarks/compiled.py``, GELU forward and backward: 6.8 ms eager, 6.9 ms in
-inductor's fused kernels per block), so their time counts as kept too, less a launch's
+memory: a fused kernel computes the same values in about the same time (measured in
+docs/cpu-performance.md, "Step bound"), so their time counts as kept too, less a launch's
 overhead per call, which fusing does remove. Compiling can remove only the rest: memory-bound
 elementwise and reduction kernels (fused), Python and autograd overhead. So over one eager
 training step profiled with torch's profiler,
