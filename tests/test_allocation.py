@@ -19,8 +19,10 @@ from transformers import (
 )
 
 import comera_compile.api as cc
-from comera_compile.passes import Budget, eligible_options, find_candidates, select_layers
+from comera_compile.passes import Budget, find_candidates
 from comera_compile.passes.allocate import uniform_ranks
+from comera_compile.passes.eligible import eligible_options
+from comera_compile.passes.select import select_layers
 from comera_compile.passes.spectra import layer_spectrum, output_weights, relative_error
 
 

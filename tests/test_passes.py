@@ -14,17 +14,10 @@ from comera_compile.nn import (
     TTLinear,
     TTMLinear,
 )
-from comera_compile.passes import (
-    Budget,
-    capture,
-    eligible_options,
-    find_candidates,
-    parse_budget,
-    propagate_shapes,
-    rewrite,
-    select_layers,
-)
-from comera_compile.passes.rewrite import build_layer
+from comera_compile.passes import Budget, capture, find_candidates, parse_budget, propagate_shapes
+from comera_compile.passes.eligible import eligible_options
+from comera_compile.passes.rewrite import build_layer, rewrite
+from comera_compile.passes.select import select_layers
 from comera_compile.passes.specs import auto_modes, make_spec
 
 SMALL_SIX = SixEncoderConfig(vocab_size=1000, hidden=96, layers=1, heads=8, ffn=384)

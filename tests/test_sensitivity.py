@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.passes import find_candidates, output_sensitivities
-from comera_compile.passes.sensitivity import FLOOR
+from comera_compile.passes import find_candidates
+from comera_compile.passes.sensitivity import FLOOR, output_sensitivities
 
 
 class Branches(nn.Module):

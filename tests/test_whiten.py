@@ -197,7 +197,8 @@ def test_optimize_weighs_table_rows_by_lookup_frequency_and_holds_on_other_batch
 def test_a_tied_table_counts_the_lookups_made_through_its_other_modules():
     """T5's ``shared`` table is looked up through ``encoder.embed_tokens`` and friends, other
     modules holding the same weight: their lookups are the table's frequencies."""
-    from comera_compile.passes import find_candidates, input_grams
+    from comera_compile.passes import find_candidates
+    from comera_compile.passes.spectra import input_grams
 
     class Tied(nn.Module):
         def __init__(self):
