@@ -11,9 +11,9 @@ import comera_compile
 from comera_compile.nn import TTLinear
 from comera_compile.training import (
     LATE,
-    BudgetSchedule,
     GateBank,
     RankAdaptiveTrainer,
+    SizeTargetSchedule,
     param_groups,
     rank_penalty,
     size_weight,
@@ -34,7 +34,7 @@ def data(seed=1, n=64):
 
 # ----- the schedule ------------------------------------------------------------------------
 def test_budget_is_cubic_from_start_to_target_then_flat():
-    s = BudgetSchedule.for_run(400, 800, start=1000.0, target=200.0, settle_fraction=0.25)
+    s = SizeTargetSchedule.for_run(400, 800, start=1000.0, target=200.0, settle_fraction=0.25)
     assert (s.begin, s.end) == (400, 700)
     assert s(0) == s(400) == 1000.0
     assert s(550) == pytest.approx(200 + 800 / 8)  # halfway: (1 - 1/2) ** 3 of the slack

@@ -28,16 +28,12 @@ from .layout import (
     TT_CHAINS,
     TT_EMBEDDING,
     TTM,
-    ChainLayout,
     chain_layout,
-    check_low_rank,
     is_lowrank_table,
     lowrank_table_modes,
-    modes_cover,
 )
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
 from .scaling import (
-    fan_in_stds,
     lookup_fan_ins,
     lr_multipliers,
     tt_linear_fan_ins,
@@ -48,7 +44,6 @@ from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
 
 __all__ = [
     "chain_norm",
-    "ChainLayout",
     "LOWRANK",
     "COLA",
     "ONE_MODE",
@@ -59,7 +54,6 @@ __all__ = [
     "Factorization",
     "chain_layout",
     "chain_ranks",
-    "check_low_rank",
     "is_lowrank_table",
     "lowrank_table_modes",
     "choose_order",
@@ -67,7 +61,6 @@ __all__ = [
     "core_params",
     "dense_linear_macs",
     "factorize",
-    "fan_in_stds",
     "lookup_fan_ins",
     "lr_multipliers",
     "tt_linear_fan_ins",
@@ -75,7 +68,6 @@ __all__ = [
     "fit_ranks",
     "internal_ranks",
     "merge_cores",
-    "modes_cover",
     "positive_int",
     "positive_ints",
     "rank_caps",

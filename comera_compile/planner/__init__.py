@@ -2,9 +2,8 @@
 per batch-size bucket (cotengra), cached in memory and on disk, run as plain torch ops."""
 
 from .cache import cache_dir, clear_memory_cache, get_plan
-from .costs import Objective, PathCost, evaluate_path, parse_objective
+from .costs import evaluate_path, parse_objective
 from .embedding import EmbeddingPlan, embedding_plan
-from .executor import Program, compile_program, run_program
 from .host import capturing, host_reads_allowed
 from .network import BATCH, Network, next_power_of_two
 from .networks import tt_linear_network, ttm_linear_network
@@ -19,17 +18,13 @@ __all__ = [
     "FORMAT_VERSION",
     "ForwardPlan",
     "Network",
-    "Objective",
-    "PathCost",
     "Plan",
     "PlanRecord",
     "PlanReport",
-    "Program",
     "RowCost",
     "cache_dir",
     "capturing",
     "clear_memory_cache",
-    "compile_program",
     "embedding_plan",
     "evaluate_path",
     "get_plan",
@@ -38,7 +33,6 @@ __all__ = [
     "parse_objective",
     "plan_network",
     "record_plan",
-    "run_program",
     "tt_linear_network",
     "ttm_linear_network",
 ]

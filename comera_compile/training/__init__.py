@@ -7,14 +7,14 @@ from comera_compile.training.distill import distill, distill_loss, fit_layers
 from comera_compile.training.distributed import PrunableDDP
 from comera_compile.training.groups import param_groups
 from comera_compile.training.history import History
-from comera_compile.training.penalty import core_l2, rank_penalty, soft_size
+from comera_compile.training.penalty import rank_penalty, soft_size
 from comera_compile.training.plots import plot_compression, plot_ranks
-from comera_compile.training.pruning import keep_min_rank, prune_model, slice_optimizer_state
+from comera_compile.training.pruning import keep_min_rank, prune_model
 from comera_compile.training.schedule import (
     EARLY,
     LATE,
-    BudgetSchedule,
     Plateau,
+    SizeTargetSchedule,
     late_stage_loss,
     size_weight,
 )
@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover
     pass
 
 __all__ = [
-    "BudgetSchedule",
+    "SizeTargetSchedule",
     "EARLY",
     "GateBank",
     "LATE",
@@ -46,7 +46,6 @@ __all__ = [
     "Plateau",
     "PrunableDDP",
     "RankAdaptiveTrainer",
-    "core_l2",
     "cut_to_checkpoint",
     "distill",
     "distill_loss",
@@ -66,7 +65,6 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "size_weight",
-    "slice_optimizer_state",
     "soft_size",
     "tensorized_compression",
     "tensorized_layers",

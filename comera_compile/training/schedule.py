@@ -35,8 +35,9 @@ def late_stage_loss(task_loss: Tensor, size_term: Tensor, lam: float | Tensor) -
 
 
 @dataclass
-class BudgetSchedule:
-    """Size budget over the late stage: ``start`` at ``begin``, ``target`` from ``end`` on."""
+class SizeTargetSchedule:
+    """The size target over the late stage: ``start`` at ``begin``, ``target`` from ``end``
+    on (a size in bytes or parameters, not a compression ``Budget``)."""
 
     begin: int
     end: int
@@ -46,8 +47,8 @@ class BudgetSchedule:
     @classmethod
     def for_run(
         cls, begin: int, total_steps: int, start: float, target: float, settle_fraction: float
-    ) -> BudgetSchedule:
-        """The budget of a late stage from step ``begin`` to ``total_steps``."""
+    ) -> SizeTargetSchedule:
+        """The size target of a late stage from step ``begin`` to ``total_steps``."""
         span = max(1, math.ceil((total_steps - begin) * (1.0 - settle_fraction)))
         return cls(begin, min(begin + span, total_steps), float(start), float(target))
 

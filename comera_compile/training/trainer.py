@@ -75,7 +75,7 @@ from comera_compile.training.pruning import (
     prune_model,
     switch_off,
 )
-from comera_compile.training.schedule import EARLY, LATE, BudgetSchedule, Plateau, size_weight
+from comera_compile.training.schedule import EARLY, LATE, Plateau, SizeTargetSchedule, size_weight
 from comera_compile.training.size import model_size
 
 PRUNE_EVERY = 100
@@ -193,7 +193,7 @@ class RankAdaptiveTrainer:
         self.size_start: int | None = None  # S when the late stage started
         self.size_target: float | None = None  # S_t
         self.task_loss_target: float | None = None  # L_t
-        self.schedule: BudgetSchedule | None = None
+        self.schedule: SizeTargetSchedule | None = None
         self.lam = 0.0  # the switch rule's choice for the next step (host copy)
         self._counts = self.bank.sizes()  # live channels per bond after the last step
         self._other = self._other_size()
@@ -386,7 +386,7 @@ class RankAdaptiveTrainer:
                 stacklevel=2,
             )
         if self.total_steps is not None:
-            self.schedule = BudgetSchedule.for_run(
+            self.schedule = SizeTargetSchedule.for_run(
                 self.steps, self.total_steps, self.size_start, self.size_target,
                 self.settle_fraction,
             )
@@ -560,7 +560,7 @@ class RankAdaptiveTrainer:
         self._counts = list(state.get("counts", self.bank.sizes()))
         self.cuts = state.get("cuts", 0)
         schedule = state.get("schedule")
-        self.schedule = None if schedule is None else BudgetSchedule(**schedule)
+        self.schedule = None if schedule is None else SizeTargetSchedule(**schedule)
         self._ensure_tensors()
         self._lam.fill_(self.lam)
         self._size_norm.fill_(state["size_norm"] or 1.0)
