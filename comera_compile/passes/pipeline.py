@@ -5,7 +5,8 @@ Each step is a pass of its own module; this one only orders them and picks the f
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,8 +28,25 @@ from comera_compile.passes.shapes import propagate_shapes
 from comera_compile.passes.spectra import input_grams, output_weights
 from comera_compile.passes.targets import check_layer_config, config_for
 
-if TYPE_CHECKING:
-    from comera_compile.config import CompressionConfig
+
+class Settings(Protocol):
+    """What :func:`tensorize` reads of a ``CompressionConfig`` (``config.py`` builds and
+    checks it; the passes sit below it and do not import it)."""
+
+    budget: Any
+    format: str | None
+    init: str
+    max_rank: int | None
+    include: str | list[str] | None
+    exclude: str | list[str] | None
+    filter_fn: Callable[[nn.Module, str], bool] | None
+    layer_config: dict[str, dict[str, Any]] | None
+    objective: str
+    autotune: bool
+    fuse: bool
+    device: str
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 def _totals(model: nn.Module, macs: int | None) -> dict[str, int | None]:
@@ -53,7 +71,7 @@ def _check_dtypes(candidates) -> None:
             )
 
 
-def tensorize(model: nn.Module, config: CompressionConfig, example_inputs: Any = None,
+def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
               inplace: bool = False) -> nn.Module:
     """What ``optimize`` does before compiling: capture the forward, find the candidate
     layers, select them and their ranks under ``config.budget``, swap them for tensorized
