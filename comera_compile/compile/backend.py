@@ -39,7 +39,7 @@ holds one recognisable node per tensorized layer. The backend
    compiler freed back to the OS (``malloc_trim``, a one-off call).
 6. on CPU, splits the backward's sums over many rows (bias and LayerNorm gradients)
    into sums over blocks of rows (``compile.cpu.reductions``): inductor's one-pass loop for
-   them takes three times aten's time; and turns thin weight-gradient matmuls
+   them runs well behind aten's; and turns thin weight-gradient matmuls
    (``h.T @ dy`` with a rank-wide ``h``) into their transposed problem, which MKL runs
    faster (``compile.cpu.matmul_orientation``).
 7. on CPU, builds each generated module's kernels in one compiler run per compile worker
@@ -47,7 +47,7 @@ holds one recognisable node per tensorized layer. The backend
    loads once per run, not once per kernel.
 
 Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
-first call of a new batch bucket can take tens of seconds on CPU); to see it::
+first call of a new batch bucket can take a while on CPU); to see it::
 
     import logging
     logging.basicConfig(level=logging.INFO)
