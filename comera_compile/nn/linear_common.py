@@ -4,13 +4,16 @@ bias, padding, ``from_dense``, and a forward through the planner."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_compile.nn.base import output_dtype
+from comera_compile.formats import chain_layout
+from comera_compile.nn.base import TensorizedLayer, output_dtype
+from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.planned import PlannedLayer
 from comera_compile.planner import Plan, capturing, get_plan
 from comera_compile.planner.alignment import pad_bonds
@@ -192,3 +195,45 @@ class PlannedLinearMixin(PlannedLayer):
             bias = bias.view(self.out_modes)
         y = plan.execute(x2.reshape(rows, *self.in_modes), *self.network_cores(rows), bias=bias)
         return self._finish(y, lead, bias_added=bias is not None).to(dtype)
+
+
+class ChainLinear(PlannedLinearMixin, TensorizedLayer):
+    """A Linear layer whose weight is one chain of cores (TT, TTM): the constructor, the
+    cores' fan-ins and the contraction network, which the formats differ in only by the
+    functions each subclass names below."""
+
+    format: str
+    default_ranks: int
+    random_cores: Callable[..., list[Tensor]]  # (layout, std, dtype, device) -> cores
+    fan_ins: Callable[..., list[int]]  # (in_modes, ranks) -> each core's fan-in
+    network_of: Callable[..., Any]  # (in_modes, out_modes, ranks, rows) -> its network
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ranks: int | Sequence[int] | None = None,
+        in_modes: Sequence[int] | None = None,
+        out_modes: Sequence[int] | None = None,
+        bias: bool = True,
+        order: int | None = None,
+        threshold: float = DEFAULT_THRESHOLD,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """``ranks``: every internal bond's rank, or one per bond (None: the format's
+        ``default_ranks``); ``in_modes`` / ``out_modes`` / ``order``: the chain layout
+        (``formats.chain_layout`` picks what is not given)."""
+        ranks = self.default_ranks if ranks is None else ranks
+        chain = chain_layout(self.format, in_features, out_features, ranks, in_modes, out_modes,
+                             order)
+        cores = self.random_cores(chain, linear_init_std(in_features), dtype, device)
+        super().__init__(cores, threshold)
+        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
+
+    def core_fan_ins(self) -> list[int]:
+        """Entries of the incoming activation each core sums over (``formats.scaling``)."""
+        return type(self).fan_ins(self.in_modes, self.ranks)
+
+    def _network(self, rows: int):
+        return type(self).network_of(self.in_modes, self.out_modes, self.ranks, rows)

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from comera_compile.formats import (
-    chain_layout,
     merge_cores,
     tt_linear_fan_ins,
     tt_random_cores,
@@ -22,45 +20,19 @@ from comera_compile.formats import (
     zero_pad,
 )
 from comera_compile.formats.whiten import whitened_tt_svd
-from comera_compile.nn.base import TensorizedLayer
-from comera_compile.nn.gates import DEFAULT_THRESHOLD
-from comera_compile.nn.linear_common import PlannedLinearMixin, linear_init_std
+from comera_compile.nn.linear_common import ChainLinear
 from comera_compile.planner import tt_linear_network
 
 
-class TTLinear(PlannedLinearMixin, TensorizedLayer):
+class TTLinear(ChainLinear):
     """``nn.Linear`` replacement in TT format, with rank gates on every internal bond."""
 
     format = "tt"
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        ranks: int | Sequence[int] = 30,
-        in_modes: Sequence[int] | None = None,
-        out_modes: Sequence[int] | None = None,
-        bias: bool = True,
-        order: int | None = None,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        chain = chain_layout(self.format, in_features, out_features, ranks, in_modes, out_modes,
-                             order)
-        std = linear_init_std(in_features)
-        cores = tt_random_cores(chain.first, chain.second, chain.ranks, std, dtype, device,
-                                fan_in_init=True)
-        super().__init__(cores, threshold)
-        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
-
-    def core_fan_ins(self) -> list[int]:
-        """Entries of the incoming activation each core sums over (``formats.scaling``)."""
-        return tt_linear_fan_ins(self.in_modes, self.ranks)
-
-    # ----- the contraction ----------------------------------------------------------------
-    def _network(self, rows: int):
-        return tt_linear_network(self.in_modes, self.out_modes, self.ranks, rows)
+    default_ranks = 30
+    random_cores = staticmethod(lambda chain, std, dtype, device: tt_random_cores(
+        chain.first, chain.second, chain.ranks, std, dtype, device, fan_in_init=True))
+    fan_ins = staticmethod(tt_linear_fan_ins)
+    network_of = staticmethod(tt_linear_network)
 
     def forward_fixed_order(self, x: Tensor) -> Tensor:
         """CoMERA's fixed order (merge input cores, merge output cores, two matmuls); kept as

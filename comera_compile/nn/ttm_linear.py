@@ -7,14 +7,11 @@ half as long, which suits small batches where sweeping the input through it is c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 from comera_compile.formats import (
     TTM,
-    chain_layout,
     ttm_fan_ins,
     ttm_random_cores,
     ttm_svd,
@@ -22,43 +19,19 @@ from comera_compile.formats import (
     zero_pad,
 )
 from comera_compile.formats.whiten import whitened_ttm_svd
-from comera_compile.nn.base import TensorizedLayer
-from comera_compile.nn.gates import DEFAULT_THRESHOLD
-from comera_compile.nn.linear_common import PlannedLinearMixin, linear_init_std
+from comera_compile.nn.linear_common import ChainLinear
 from comera_compile.planner import ttm_linear_network
 
 
-class TTMLinear(PlannedLinearMixin, TensorizedLayer):
+class TTMLinear(ChainLinear):
     """``nn.Linear`` replacement in TTM format, with rank gates on every internal bond."""
 
     format = TTM
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        ranks: int | Sequence[int] = 16,
-        in_modes: Sequence[int] | None = None,
-        out_modes: Sequence[int] | None = None,
-        bias: bool = True,
-        order: int | None = None,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        chain = chain_layout(TTM, in_features, out_features, ranks, in_modes, out_modes, order)
-        std = linear_init_std(in_features)
-        cores = ttm_random_cores(chain.second, chain.first, chain.ranks, std, dtype, device,
-                                 fan_in_init=True)
-        super().__init__(cores, threshold)
-        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
-
-    def core_fan_ins(self) -> list[int]:
-        """Entries of the incoming activation each core sums over (``formats.scaling``)."""
-        return ttm_fan_ins(self.in_modes, self.ranks)
-
-    def _network(self, rows: int):
-        return ttm_linear_network(self.in_modes, self.out_modes, self.ranks, rows)
+    default_ranks = 16
+    random_cores = staticmethod(lambda chain, std, dtype, device: ttm_random_cores(
+        chain.second, chain.first, chain.ranks, std, dtype, device, fan_in_init=True))
+    fan_ins = staticmethod(ttm_fan_ins)
+    network_of = staticmethod(ttm_linear_network)
 
     def forward_fixed_order(self, x: Tensor) -> Tensor:
         """Sweep the input through the cores one at a time (the straightforward order)."""
