@@ -165,9 +165,21 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
             os.remove(old)
 
 
+def _own_file(directory: str, name: str) -> str:
+    """``directory/name``, refused when it resolves (through a link) outside ``directory``:
+    only the directory's own files are read."""
+    path = os.path.join(directory, name)
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory):
+        raise CheckpointError(
+            f"{path} links outside {directory!r}; only the directory's own files are read: "
+            "copy the file itself into it"
+        )
+    return path
+
+
 def _read_manifest(directory: str) -> dict[str, Any]:
     """``comera.json``, or what a ``save_pretrained`` directory implies."""
-    path = os.path.join(directory, MANIFEST)
+    path = _own_file(directory, MANIFEST)
     if os.path.exists(path):
         manifest = _read_json(path)
         if not isinstance(manifest, dict):
@@ -182,7 +194,7 @@ def _read_manifest(directory: str) -> dict[str, Any]:
             )
         _check_manifest(path, manifest)
         return manifest
-    if os.path.exists(os.path.join(directory, HF_WEIGHTS)):
+    if os.path.exists(_own_file(directory, HF_WEIGHTS)):
         return {"weights": HF_WEIGHTS, "aliases": {}, "report": None}
     if not os.path.isdir(directory):
         raise CheckpointError(f"no checkpoint directory {directory!r}")
@@ -227,12 +239,7 @@ def _check_manifest(path: str, manifest: dict[str, Any]) -> None:
 
 
 def _read_weights(directory: str, manifest: dict, device: str) -> dict[str, torch.Tensor]:
-    path = os.path.join(directory, manifest["weights"])
-    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory):
-        raise CheckpointError(
-            f"{path} links outside {directory!r}; only the directory's own files are read: "
-            "copy the weights file into it"
-        )
+    path = _own_file(directory, manifest["weights"])
     if not os.path.exists(path):
         raise CheckpointError(
             f"checkpoint {directory!r} is missing {manifest['weights']} (named by {MANIFEST}); "
@@ -278,9 +285,19 @@ def _build_hf_base(directory: str, manifest: dict, state: dict[str, torch.Tensor
             f"{HF_CONFIG} in {directory!r} {problem}; build the model and pass it as model="
         )
 
-    _read_json(os.path.join(directory, HF_CONFIG))  # bad JSON is named as ours
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory)
+    data = _read_json(_own_file(directory, HF_CONFIG))  # bad JSON is named as ours
+    if not isinstance(data, dict):
+        raise refuse(f"holds a JSON {type(data).__name__}, not an object")
+    remote = _remote_code_field(data)
+    if remote is not None:
+        raise refuse(f"asks for code of its own ('{remote}'); loading never runs code")
+    model_type = data.get("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise refuse(f"names no model_type transformers knows ({str(model_type)[:40]!r})")
+    try:  # the configuration class itself: AutoConfig may import code or prompt for it
+        config = CONFIG_MAPPING[model_type].from_dict(data)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds on bad configs
         raise refuse(f"is not a configuration transformers reads ({type(exc).__name__})") from None
     names = getattr(config, "architectures", None) or []
@@ -300,6 +317,26 @@ def _build_hf_base(directory: str, manifest: dict, state: dict[str, torch.Tensor
         raise
     except Exception as exc:  # noqa: BLE001 - a model's __init__ may reject a config any way
         raise refuse(f"cannot build {name} ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+REMOTE_CODE_FIELDS = ("auto_map", "custom_pipelines", "trust_remote_code")
+
+
+def _remote_code_field(data: Any, depth: int = 0) -> str | None:
+    """The first field, at any depth, by which a configuration asks transformers to import
+    a file of the checkpoint's."""
+    if depth > 16:
+        return None  # deeper than any configuration; from_dict refuses it or ignores it
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key in REMOTE_CODE_FIELDS:
+                return key
+            found = _remote_code_field(value, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        return next((f for v in data if (f := _remote_code_field(v, depth + 1))), None)
+    return None
 
 
 def _check_config_sizes(meta: nn.Module, state: dict[str, torch.Tensor], manifest: dict) -> None:
