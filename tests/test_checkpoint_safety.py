@@ -9,13 +9,19 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 from hf_models import bert
+from safetensors.torch import load_file, save_file
+from torch import nn
 
 import comera_compile as cc
-from comera_compile.io import CheckpointError
+from comera_compile.io import MANIFEST, CheckpointError, _header_sha256, _sha256
+from comera_compile.nn import TensorizedLayer
+from comera_compile.nn.base import decode_layout, encode_layout
+from comera_compile.passes.report import report_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,3 +105,167 @@ def test_a_manifest_or_config_linking_outside_the_directory_is_refused(saved_ber
     (directory / name).symlink_to(outside)
     with pytest.raises(CheckpointError, match=rf"{name} links outside"):
         cc.load(directory)
+
+
+# ----- a cc.save checkpoint, altered ----------------------------------------------------------
+X = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(),
+                         nn.Linear(64, 64, bias=True))
+
+
+@pytest.fixture(scope="module")
+def saved_mlp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlp")
+    torch.manual_seed(0)
+    model = cc.optimize(mlp(), cc.CompressionConfig(budget=0.5, format="cola", compile=False))
+    model[4].bias.data = model[0].bias.data[:64].clone()  # equal shapes: an alias could join
+    assert isinstance(model[0], TensorizedLayer) and isinstance(model[2], TensorizedLayer)
+    cc.save(model, root)
+    with torch.no_grad():
+        return root, model(X)
+
+
+def manifest_of(directory) -> dict:
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def craft(saved_mlp, directory, change_tensors=None, **manifest_changes):
+    """A copy of the checkpoint with other tensors (the manifest's sizes and hashes made to
+    agree with the new file) and/or other manifest fields."""
+    root, _ = saved_mlp
+    directory = _copy(root, directory)
+    manifest = manifest_of(directory)
+    path = directory / manifest["weights"]
+    if change_tensors is not None:
+        tensors = load_file(path)
+        change_tensors(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+        manifest.update(weights_bytes=os.path.getsize(path), sha256=_sha256(str(path)),
+                        header_sha256=_header_sha256(str(path)))
+    manifest.update(manifest_changes)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    return directory
+
+
+def test_an_unaltered_copy_loads_exactly(saved_mlp, tmp_path):
+    directory = craft(saved_mlp, tmp_path / "ckpt", lambda tensors: None)
+    with torch.no_grad():
+        assert torch.equal(cc.load(directory, model=mlp())(X), saved_mlp[1])
+
+
+def test_flipped_bytes_in_the_data_are_caught_by_the_hash(saved_mlp, tmp_path):
+    directory = _copy(saved_mlp[0], tmp_path / "ckpt")
+    path = directory / manifest_of(directory)["weights"]
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8:header])["0.cores.0"]["data_offsets"]
+    data[header + (begin + end) // 2] ^= 0x40  # one core value: size and header unchanged
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"damaged or altered: its bytes differ"):
+        cc.load(directory, model=mlp())
+    loaded = cc.load(directory, model=mlp(), verify=False)  # the explicit opt-out
+    with torch.no_grad():
+        assert not torch.equal(loaded(X), saved_mlp[1])  # what the opt-out gives up
+
+
+def test_without_hashing_the_file_its_header_is_still_checked(saved_mlp, tmp_path):
+    def to_int(tensors):
+        tensors["4.bias"] = tensors["4.bias"].view(torch.int32)  # same bytes, other dtype
+
+    directory = craft(saved_mlp, tmp_path / "ckpt", to_int)
+    manifest = manifest_of(saved_mlp[0])  # the hashes of the file as saved
+    manifest["weights"] = manifest_of(directory)["weights"]
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"its header \(names, dtypes, shapes\) differs"):
+        cc.load(directory, model=mlp(), verify=False)
+
+
+def test_an_alias_may_not_replace_a_saved_tensor(saved_mlp, tmp_path):
+    directory = craft(saved_mlp, tmp_path / "ckpt", aliases={"4.bias": "0.bias"})
+    with pytest.raises(CheckpointError, match=r"ties '4.bias' to '0.bias', but '4.bias' is "
+                                              r"saved itself"):
+        cc.load(directory, model=mlp())
+
+
+def test_an_alias_may_only_join_tensors_the_model_ties(saved_mlp, tmp_path):
+    directory = craft(saved_mlp, tmp_path / "ckpt", lambda tensors: tensors.pop("4.bias"),
+                      aliases={"4.bias": "2.bias"})
+    with pytest.raises(CheckpointError, match=r"ties '4.bias' to '2.bias', which Sequential "
+                                              r"does not tie"):
+        cc.load(directory, model=mlp())
+
+
+@pytest.mark.parametrize("change", [{"format": "lowrank"}, {"format": "tt"},
+                                    {"threshold": 0.5}, {"bias": False}])
+def test_a_layout_must_be_the_one_the_manifest_recorded(saved_mlp, tmp_path, change):
+    """CoLA, low rank and a TT of one mode per side have cores of the same shapes: only the
+    manifest's record tells them apart."""
+
+    def relabel(tensors):
+        layout = decode_layout(tensors["0._extra_state"])
+        tensors["0._extra_state"] = encode_layout({**layout, **change})
+
+    directory = craft(saved_mlp, tmp_path / "ckpt", relabel)
+    with pytest.raises(CheckpointError, match=r"layout of layer '0' in the weights file .* is "
+                                              r"not the one comera.json recorded"):
+        cc.load(directory, model=mlp())
+
+
+@pytest.mark.parametrize("key, dtype, message", [
+    ("0.cores.0", torch.float16, r"'0\.[\w.]+' is saved as torch.float(16|32), but "
+                                 r"'0\.[\w.]+' of the same module is saved as"),
+    ("0.bias", torch.bfloat16, r"'0.(bias|cores.0)' is saved as .*of the same module"),
+    ("0.gates.0", torch.float16, r"'0.gates.0' is saved as torch.float16, but a rank gate"),
+    ("4.bias", torch.int32, r"'4.bias' is saved as torch.int32, but the model holds "
+                            r"torch.float32"),
+    ("4.bias", torch.bool, r"'4.bias' is saved as torch.bool"),
+    ("4.bias", torch.float8_e4m3fn, r"'4.bias' is saved as torch.float8_e4m3fn"),
+])
+def test_each_tensor_must_have_a_dtype_its_module_computes_with(saved_mlp, tmp_path, key,
+                                                                 dtype, message):
+    def cast(tensors):
+        tensors[key] = tensors[key].to(dtype)
+
+    directory = craft(saved_mlp, tmp_path / "ckpt", cast)
+    with pytest.raises(CheckpointError, match=message):
+        cc.load(directory, model=mlp())
+
+
+def test_a_whole_model_cast_still_loads(tmp_path):
+    torch.manual_seed(0)
+    model = cc.optimize(mlp(), cc.CompressionConfig(budget=0.5, format="tt", compile=False))
+    model = model.to(torch.bfloat16)  # rank gates stay float32 (gate_dtype)
+    cc.save(model, tmp_path)
+    loaded = cc.load(tmp_path, model=mlp())
+    with torch.no_grad():
+        assert torch.equal(loaded(X.bfloat16()), model(X.bfloat16()))
+
+
+@pytest.mark.parametrize("report", [
+    {"capture_reason": "no path"},
+    {"capture_path": "fx", "capture_reason": "x", "originals": {"0": {"params": "many"}}},
+    {"capture_path": "fx", "capture_reason": "x", "before": {"params": "many"}},
+    {"capture_path": "fx", "capture_reason": "x", "skipped": {"0": 3}},
+    {"capture_path": "fx", "capture_reason": "x", "config": {"budget": "evil"}},
+    {"capture_path": 3, "capture_reason": "x"},
+])
+def test_a_report_that_does_not_fit_is_dropped_with_a_warning(saved_mlp, tmp_path, report):
+    directory = craft(saved_mlp, tmp_path / "ckpt", report=report)
+    with pytest.warns(UserWarning, match=r"the report in comera.json does not describe"):
+        model = cc.load(directory, model=mlp())
+    assert report_of(model) is None
+    text = str(cc.summary(model))  # the live layers, without the report
+    assert "cola" in text and cc.config_of(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(X), saved_mlp[1])
+
+
+def test_a_saved_report_loads_with_the_model(saved_mlp):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = cc.load(saved_mlp[0], model=mlp())
+    assert report_of(model).capture_path == "fx"
+    assert cc.config_of(model).format == "cola"
