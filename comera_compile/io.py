@@ -6,9 +6,9 @@ A checkpoint is a directory:
   layout (format, modes, ranks after pruning) rides in it as the layer's ``_extra_state``, a
   byte tensor of JSON, so ``model.save_pretrained`` output carries the layouts too.
 - ``comera.json``: which weights file is current (with its size, its sha256 and that of its
-  header), every layer's layout again, aliases of tied tensors, the model's class and
-  ``optimize``'s report. Replacing it is the one atomic step that commits a save: a crash
-  before it leaves the previous checkpoint as it was.
+  header), the sha256 of ``config.json``, every layer's layout again, aliases of tied
+  tensors, the model's class and ``optimize``'s report. Replacing it is the one atomic step
+  that commits a save: a crash before it leaves the previous checkpoint as it was.
 - ``config.json`` for Hugging Face models, as ``save_pretrained`` writes it.
 
 Loading trusts nothing in the directory: a damaged or crafted checkpoint raises
@@ -169,6 +169,7 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
         "weights_bytes": os.path.getsize(path),
         "sha256": _sha256(path),
         "header_sha256": _header_sha256(path),
+        "config_sha256": _sha256(os.path.join(directory, HF_CONFIG)) if _is_hf(model) else None,
         "layouts": _saved_layouts(tensors, model),
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "aliases": aliases,
@@ -275,6 +276,9 @@ def _check_manifest(path: str, manifest: dict[str, Any]) -> None:
     for field in ("sha256", "header_sha256"):
         if not isinstance(manifest.get(field), str) or not SHA256.fullmatch(manifest[field]):
             raise bad(field, "a sha256 of 64 lowercase hex digits")
+    config = manifest.get("config_sha256")
+    if config is not None and (not isinstance(config, str) or not SHA256.fullmatch(config)):
+        raise bad("config_sha256", f"null or a sha256 of the {HF_CONFIG} saved")
     layouts = manifest.get("layouts")
     if not isinstance(layouts, dict) or not all(
         isinstance(k, str) and isinstance(v, dict) for k, v in layouts.items()
@@ -353,12 +357,18 @@ def _build_hf_base(directory: str, manifest: dict, state: dict[str, torch.Tensor
             f"{HF_CONFIG} in {directory!r} {problem}; build the model and pass it as model="
         )
 
-    data = _read_json(_own_file(directory, HF_CONFIG))  # bad JSON is named as ours
+    path = _own_file(directory, HF_CONFIG)
+    data = _read_json(path)  # bad JSON is named as ours
     if not isinstance(data, dict):
         raise refuse(f"holds a JSON {type(data).__name__}, not an object")
     remote = _remote_code_field(data)
     if remote is not None:
         raise refuse(f"asks for code of its own ('{remote}'); loading never runs code")
+    if "sha256" in manifest and _sha256(path) != manifest.get("config_sha256"):
+        raise CheckpointError(  # it sets what the weights compute (eps, activations, ...)
+            f"{HF_CONFIG} in {directory!r} is not the one saved with the weights (its sha256 "
+            f"differs from config_sha256 in {MANIFEST}); copy it again or save the model again"
+        )
     model_type = data.get("model_type")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -644,7 +654,9 @@ def _check_aliases(model: nn.Module, manifest: dict) -> None:
 def _check_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Each saved tensor has a dtype its module can compute with: the kind the model holds
     there (floating or not, an integer exactly), one floating dtype for all of a module's
-    own tensors, and rank gates in the dtype ``gate_dtype`` gives their cores."""
+    own tensors, rank gates in the dtype ``gate_dtype`` gives their cores, and a floating
+    dtype other than the model's own only where the whole checkpoint is of that dtype (a
+    model cast as a whole, ``model.to(torch.bfloat16)``)."""
 
     def refuse(key: str, saved: torch.dtype, why: str) -> CheckpointError:
         return CheckpointError(
@@ -653,6 +665,7 @@ def _check_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         )
 
     lists = (nn.ParameterList, nn.ParameterDict)
+    cast: dict[str, tuple[torch.dtype, torch.dtype]] = {}  # key -> (saved, the model's)
     for prefix, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, lists):
             continue  # its parent's tensors (a layer's cores and gates)
@@ -680,6 +693,7 @@ def _check_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                 gates.append((key, saved.dtype))
             elif saved.is_floating_point():
                 floating.setdefault(saved.dtype, key)
+                cast[key] = (saved.dtype, tensor.dtype)
         if len(floating) > 1:
             (a, key_a), (b, key_b) = list(floating.items())[:2]
             raise refuse(key_b, b, f"'{key_a}' of the same module is saved as {a}")
@@ -687,6 +701,12 @@ def _check_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             want = gate_dtype(next(iter(floating), dtype))
             if dtype != want:
                 raise refuse(key, dtype, f"a rank gate of this layer's cores is {want}")
+    dtypes = {saved for saved, _ in cast.values()}
+    if len(dtypes) > 1:
+        for key, (saved, own) in cast.items():
+            if saved != own:
+                raise refuse(key, saved, f"the model holds {own} there and the checkpoint "
+                             f"mixes {', '.join(sorted(str(d) for d in dtypes))}")
 
 
 REPORT_TYPES = {

@@ -229,6 +229,11 @@ def with_config(saved_bert, directory: str, **change) -> str:
     shutil.copytree(root, directory, dirs_exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**config, **change}, f)
+    with open(os.path.join(directory, MANIFEST)) as f:  # crafted consistently
+        manifest = json.load(f)
+    manifest["config_sha256"] = _sha256(os.path.join(directory, "config.json"))
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f)
     return directory
 
 

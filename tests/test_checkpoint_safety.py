@@ -269,3 +269,32 @@ def test_a_saved_report_loads_with_the_model(saved_mlp):
         model = cc.load(saved_mlp[0], model=mlp())
     assert report_of(model).capture_path == "fx"
     assert cc.config_of(model).format == "cola"
+
+
+def test_a_lone_tensor_in_another_floating_dtype_is_refused(saved_bert, tmp_path):
+    """A module of one tensor (the token type table) cast alone: no module-mate to compare with,
+    but the rest of the checkpoint is float32."""
+    directory = _copy(saved_bert, tmp_path / "ckpt")
+    manifest = manifest_of(directory)
+    path = directory / manifest["weights"]
+    tensors = load_file(path)
+    key = "bert.embeddings.token_type_embeddings.weight"
+    tensors[key] = tensors[key].double()
+    save_file(tensors, path, metadata={"format": "pt"})
+    manifest.update(weights_bytes=os.path.getsize(path), sha256=_sha256(str(path)),
+                    header_sha256=_header_sha256(str(path)))
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=rf"'{key}' is saved as torch.float64, but the "
+                                              r"model holds torch.float32 there and the "
+                                              r"checkpoint mixes"):
+        cc.load(directory)
+
+
+def test_an_altered_config_is_refused(saved_bert, tmp_path):
+    """config.json sets what the weights compute: an epsilon changed loads another model."""
+    directory = _copy(saved_bert, tmp_path / "ckpt")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1.0}))
+    with pytest.raises(CheckpointError, match=r"config.json .* is not the one saved with the "
+                                              r"weights"):
+        cc.load(directory)
