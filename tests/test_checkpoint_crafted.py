@@ -15,13 +15,16 @@ import tempfile
 import pytest
 import torch
 from hf_models import VOCAB, bert
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import comera_compile as cc
 from comera_compile.io import MANIFEST, CheckpointError, _header_sha256, _sha256
+
+hypothesis = pytest.importorskip(
+    "hypothesis", reason="property tests need hypothesis: pip install 'comera_compile[dev]'")
+st = pytest.importorskip("hypothesis.strategies")
+given, settings, HealthCheck = hypothesis.given, hypothesis.settings, hypothesis.HealthCheck
 
 EXAMPLES = int(os.environ.get("COMERA_PROPERTY_EXAMPLES", "150"))  # CI: the default, < 1 min
 X = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))

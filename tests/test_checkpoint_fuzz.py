@@ -23,23 +23,17 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
 
-pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install "
-                                         "comera_compile[dev])")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from torch import nn  # noqa: E402
+import comera_compile as cc
+from comera_compile.io import HF_CONFIG, MANIFEST, CheckpointError, _header_sha256, _sha256
+from comera_compile.nn.base import decode_layout, encode_layout
 
-import comera_compile as cc  # noqa: E402
-from comera_compile.io import (  # noqa: E402
-    HF_CONFIG,
-    MANIFEST,
-    CheckpointError,
-    _header_sha256,
-    _sha256,
-)
-from comera_compile.nn.base import decode_layout, encode_layout  # noqa: E402
+hypothesis = pytest.importorskip(
+    "hypothesis", reason="property tests need hypothesis: pip install 'comera_compile[dev]'")
+st = pytest.importorskip("hypothesis.strategies")
+given, settings, HealthCheck = hypothesis.given, hypothesis.settings, hypothesis.HealthCheck
 
 SCALE = int(os.environ.get("COMERA_PROPERTY_EXAMPLES", "150")) / 150
 EXAMPLES = {"mlp": 60, "embedding": 50, "bert": 30}
