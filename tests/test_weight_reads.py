@@ -99,3 +99,20 @@ def test_a_tensorized_weight_answers_its_shape_and_dtype_and_refuses_arithmetic(
                     lambda: weight + 1, lambda: weight.float(), lambda: weight.T):
         with pytest.raises(RuntimeError, match="has no dense weight"):
             compute()
+
+
+class ReadsWeightShape(ReadsWeight):
+    """Reads only the weight's description: a tensorized layer still answers it."""
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (self.lin.weight.shape[0] / 64)
+
+
+def test_a_forward_reading_only_the_weights_shape_keeps_the_layer_tensorized():
+    torch.manual_seed(0)
+    optimized = cc.optimize(ReadsWeightShape(), budget=0.5, compile=False)
+    assert "capture: fx" in str(cc.summary(optimized))
+    assert isinstance(optimized.lin, TensorizedLayer)
+    with torch.no_grad():
+        want = optimized.down(torch.relu(optimized.up(optimized.lin(X))))
+        torch.testing.assert_close(optimized(X), want)

@@ -139,12 +139,33 @@ class _TensorOutputs(nn.Module):
         return tuple(leaves)
 
 
+METADATA_READS = {"shape", "dtype", "device", "ndim", "size", "dim", "is_floating_point"}
+
+
+def _metadata_only(node: torch.fx.Node) -> bool:
+    """Whether every use of ``node`` asks only for its description (``w.shape``,
+    ``w.dtype``, ``w.size(0)``), which a tensorized layer's ``.weight`` still answers."""
+    for user in node.users:
+        if user.op == "call_method" and user.target in METADATA_READS:
+            continue
+        if (user.op == "call_function" and user.target is getattr
+                and user.args[1] in METADATA_READS):
+            continue
+        return False
+    return True
+
+
 def _fx_weight_reads(graph_module: torch.fx.GraphModule) -> set[str]:
-    """Modules whose ``weight`` the graph reads as an attribute (a ``get_attr`` node): fx
-    keeps Linear and Embedding as leaves, so a weight read outside their call shows."""
-    targets = (n.target.rpartition(".") for n in graph_module.graph.nodes
-               if n.op == "get_attr")
-    return {module for module, _, attr in targets if attr == "weight"}
+    """Modules whose ``weight`` the graph computes with outside their own call (a
+    ``get_attr`` node used for more than its shape or dtype): fx keeps Linear and Embedding
+    as leaves, so such a read shows."""
+    found = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr" and not _metadata_only(node):
+            module, _, attr = node.target.rpartition(".")
+            if attr == "weight":
+                found.add(module)
+    return found
 
 
 def _owners(model: nn.Module) -> dict[int, set[str]]:
