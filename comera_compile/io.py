@@ -5,15 +5,22 @@ A checkpoint is a directory:
 - ``model-<id>.safetensors``: the state dict, each tied tensor once. Every tensorized layer's
   layout (format, modes, ranks after pruning) rides in it as the layer's ``_extra_state``, a
   byte tensor of JSON, so ``model.save_pretrained`` output carries the layouts too.
-- ``comera.json``: which weights file is current (with its size), aliases of tied tensors,
-  the model's class and ``optimize``'s report. Replacing it is the one atomic step that
-  commits a save: a crash before it leaves the previous checkpoint as it was.
+- ``comera.json``: which weights file is current (with its size, its sha256 and that of its
+  header), the sha256 of ``config.json``, every layer's layout again, aliases of tied
+  tensors, the model's class and ``optimize``'s report. Replacing it is the one atomic step
+  that commits a save: a crash before it leaves the previous checkpoint as it was.
 - ``config.json`` for Hugging Face models, as ``save_pretrained`` writes it.
 
 Loading trusts nothing in the directory: a damaged or crafted checkpoint raises
-``CheckpointError`` naming the problem, only a weights file of the saved name pattern in
-the directory itself is read, only ``transformers`` model classes are built, and a
-``config.json`` whose sizes disagree with the weights is refused before anything is built.
+``CheckpointError`` naming the problem. Only the directory's own files are read (nothing a
+link leads outside), the weights file only by the saved name pattern and only once its
+sha256 matches (``verify=False`` checks the header's alone, for files too big to hash);
+each layout must be the one the manifest recorded, each tensor of the dtype its module
+holds; aliases may only join tensors the model itself ties; a report that does not
+describe the model is dropped with a warning. Only ``transformers`` model classes are built,
+from their own configuration class (never ``AutoConfig``, which may import or prompt for a
+checkpoint's code), and a ``config.json`` whose sizes disagree with the weights is refused
+before anything is built.
 
 ``load(dir, model=base)`` works like PEFT loading adapters onto a base model: it re-applies
 the saved rewrite to the freshly built dense ``base`` and loads the weights into it, so
@@ -25,10 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
 import secrets
+import struct
+import warnings
 from typing import Any
 
 import torch
@@ -45,13 +55,13 @@ from comera_compile.nn import (
     TTEmbedding,
 )
 from comera_compile.nn.attention import SPLIT_ATTENTION
-from comera_compile.nn.base import decode_layout
+from comera_compile.nn.base import decode_layout, gate_dtype
 from comera_compile.nn.tied_head import TIED_HEAD
-from comera_compile.passes.report import OptimizeReport, attach_report, report_of
+from comera_compile.passes.report import OptimizeReport, attach_report, report_of, summary
 from comera_compile.passes.rewrite import LINEAR_CLASSES, apply_layouts
 
 MANIFEST, HF_CONFIG, HF_WEIGHTS = "comera.json", "config.json", "model.safetensors"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 COMPILED_PREFIX = "_orig_mod."
 EXTRA = "_extra_state"
 SAVED_WEIGHTS = re.compile(r"model-[0-9a-f]{12}\.safetensors")  # as save names them
@@ -60,6 +70,8 @@ TENSORIZED_FORMATS = {*LINEAR_CLASSES, TT_EMBEDDING}
 KNOWN_FORMATS = {*TENSORIZED_FORMATS, SPLIT_ATTENTION, TIED_HEAD}
 LIST_FIELDS = ("ranks", "in_modes", "out_modes", "row_modes", "col_modes")
 INT_FIELDS = ("in_features", "out_features", "num_embeddings", "embedding_dim")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+HASH_CHUNK = 1 << 24
 STORABLE = {
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -155,6 +167,10 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
         "format_version": FORMAT_VERSION,
         "weights": weights,
         "weights_bytes": os.path.getsize(path),
+        "sha256": _sha256(path),
+        "header_sha256": _header_sha256(path),
+        "config_sha256": _sha256(os.path.join(directory, HF_CONFIG)) if _is_hf(model) else None,
+        "layouts": _saved_layouts(tensors, model),
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "aliases": aliases,
         "report": dataclasses.asdict(report) if report is not None else None,
@@ -165,9 +181,51 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
             os.remove(old)
 
 
+def _own_file(directory: str, name: str) -> str:
+    """``directory/name``, refused when it resolves (through a link) outside ``directory``:
+    only the directory's own files are read."""
+    path = os.path.join(directory, name)
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory):
+        raise CheckpointError(
+            f"{path} links outside {directory!r}; only the directory's own files are read: "
+            "copy the file itself into it"
+        )
+    return path
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _header_sha256(path: str) -> str:
+    """The sha256 of a safetensors file's header (its length, names, dtypes, shapes and
+    offsets): cheap for any size of file, it still pins every tensor's dtype and shape."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        return hashlib.sha256(head + f.read(min(size, 100_000_000))).hexdigest()
+
+
+def _saved_layouts(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, dict]:
+    """``{layer name: layout}`` of the layers whose layouts ride in ``tensors``, as
+    ``_layouts`` reads them back: the manifest keeps them so a layout altered in the
+    weights file is caught even where the file is not hashed."""
+    found = {}
+    for key, value in tensors.items():
+        if key == EXTRA or key.endswith("." + EXTRA):
+            name = key.removesuffix(EXTRA).removesuffix(".").removeprefix(COMPILED_PREFIX)
+            if _is_ours(model, name):
+                found[name] = decode_layout(value)
+    return found
+
+
 def _read_manifest(directory: str) -> dict[str, Any]:
     """``comera.json``, or what a ``save_pretrained`` directory implies."""
-    path = os.path.join(directory, MANIFEST)
+    path = _own_file(directory, MANIFEST)
     if os.path.exists(path):
         manifest = _read_json(path)
         if not isinstance(manifest, dict):
@@ -182,7 +240,7 @@ def _read_manifest(directory: str) -> dict[str, Any]:
             )
         _check_manifest(path, manifest)
         return manifest
-    if os.path.exists(os.path.join(directory, HF_WEIGHTS)):
+    if os.path.exists(_own_file(directory, HF_WEIGHTS)):
         return {"weights": HF_WEIGHTS, "aliases": {}, "report": None}
     if not os.path.isdir(directory):
         raise CheckpointError(f"no checkpoint directory {directory!r}")
@@ -213,8 +271,19 @@ def _check_manifest(path: str, manifest: dict[str, Any]) -> None:
     if not isinstance(weights, str) or not SAVED_WEIGHTS.fullmatch(weights):
         raise bad("weights", "a file name of the form model-<12 hex digits>.safetensors")
     size = manifest.get("weights_bytes")
-    if size is not None and (type(size) is not int or size < 0):
+    if type(size) is not int or size < 0:
         raise bad("weights_bytes", "a byte count")
+    for field in ("sha256", "header_sha256"):
+        if not isinstance(manifest.get(field), str) or not SHA256.fullmatch(manifest[field]):
+            raise bad(field, "a sha256 of 64 lowercase hex digits")
+    config = manifest.get("config_sha256")
+    if config is not None and (not isinstance(config, str) or not SHA256.fullmatch(config)):
+        raise bad("config_sha256", f"null or a sha256 of the {HF_CONFIG} saved")
+    layouts = manifest.get("layouts")
+    if not isinstance(layouts, dict) or not all(
+        isinstance(k, str) and isinstance(v, dict) for k, v in layouts.items()
+    ):
+        raise bad("layouts", "an object of layer layouts")
     aliases = manifest.get("aliases")
     if not isinstance(aliases, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()
@@ -226,13 +295,9 @@ def _check_manifest(path: str, manifest: dict[str, Any]) -> None:
         raise bad("report", f"null or an object with the keys {sorted(fields)}")
 
 
-def _read_weights(directory: str, manifest: dict, device: str) -> dict[str, torch.Tensor]:
-    path = os.path.join(directory, manifest["weights"])
-    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory):
-        raise CheckpointError(
-            f"{path} links outside {directory!r}; only the directory's own files are read: "
-            "copy the weights file into it"
-        )
+def _read_weights(directory: str, manifest: dict, device: str,
+                  verify: bool = True) -> dict[str, torch.Tensor]:
+    path = _own_file(directory, manifest["weights"])
     if not os.path.exists(path):
         raise CheckpointError(
             f"checkpoint {directory!r} is missing {manifest['weights']} (named by {MANIFEST}); "
@@ -244,6 +309,14 @@ def _read_weights(directory: str, manifest: dict, device: str) -> dict[str, torc
             f"{path} is truncated or altered: {size:,} bytes where {expected:,} were saved; "
             "copy the file again or save the model again"
         )
+    if "sha256" in manifest:
+        field, digest = ("sha256", _sha256) if verify else ("header_sha256", _header_sha256)
+        if digest(path) != manifest[field]:
+            what = "its bytes differ" if verify else "its header (names, dtypes, shapes) differs"
+            raise CheckpointError(
+                f"{path} is damaged or altered: {what} from what was saved ({field} in "
+                f"{MANIFEST}); copy the file again or save the model again"
+            )
     try:
         state = load_file(path, device=device)
     except SafetensorError as exc:
@@ -253,6 +326,12 @@ def _read_weights(directory: str, manifest: dict, device: str) -> dict[str, torc
         ) from None
     state = {k.removeprefix(COMPILED_PREFIX): v for k, v in state.items()}
     for alias, key in manifest["aliases"].items():
+        if alias in state:
+            raise CheckpointError(
+                f"{MANIFEST} in {directory!r} ties '{alias}' to '{key}', but '{alias}' is "
+                "saved itself; an alias names a tensor saved once under another name: save "
+                "the model again"
+            )
         if key not in state:
             raise CheckpointError(
                 f"{MANIFEST} in {directory!r} ties '{alias}' to '{key}', which {path} lacks; "
@@ -278,9 +357,25 @@ def _build_hf_base(directory: str, manifest: dict, state: dict[str, torch.Tensor
             f"{HF_CONFIG} in {directory!r} {problem}; build the model and pass it as model="
         )
 
-    _read_json(os.path.join(directory, HF_CONFIG))  # bad JSON is named as ours
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory)
+    path = _own_file(directory, HF_CONFIG)
+    data = _read_json(path)  # bad JSON is named as ours
+    if not isinstance(data, dict):
+        raise refuse(f"holds a JSON {type(data).__name__}, not an object")
+    remote = _remote_code_field(data)
+    if remote is not None:
+        raise refuse(f"asks for code of its own ('{remote}'); loading never runs code")
+    if "sha256" in manifest and _sha256(path) != manifest.get("config_sha256"):
+        raise CheckpointError(  # it sets what the weights compute (eps, activations, ...)
+            f"{HF_CONFIG} in {directory!r} is not the one saved with the weights (its sha256 "
+            f"differs from config_sha256 in {MANIFEST}); copy it again or save the model again"
+        )
+    model_type = data.get("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise refuse(f"names no model_type transformers knows ({str(model_type)[:40]!r})")
+    try:  # the configuration class itself: AutoConfig may import code or prompt for it
+        config = CONFIG_MAPPING[model_type].from_dict(data)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds on bad configs
         raise refuse(f"is not a configuration transformers reads ({type(exc).__name__})") from None
     names = getattr(config, "architectures", None) or []
@@ -300,6 +395,26 @@ def _build_hf_base(directory: str, manifest: dict, state: dict[str, torch.Tensor
         raise
     except Exception as exc:  # noqa: BLE001 - a model's __init__ may reject a config any way
         raise refuse(f"cannot build {name} ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+REMOTE_CODE_FIELDS = ("auto_map", "custom_pipelines", "trust_remote_code")
+
+
+def _remote_code_field(data: Any, depth: int = 0) -> str | None:
+    """The first field, at any depth, by which a configuration asks transformers to import
+    a file of the checkpoint's."""
+    if depth > 16:
+        return None  # deeper than any configuration; from_dict refuses it or ignores it
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key in REMOTE_CODE_FIELDS:
+                return key
+            found = _remote_code_field(value, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        return next((f for v in data if (f := _remote_code_field(v, depth + 1))), None)
+    return None
 
 
 def _check_config_sizes(meta: nn.Module, state: dict[str, torch.Tensor], manifest: dict) -> None:
@@ -509,10 +624,143 @@ def _apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
         ) from None
 
 
+def _check_saved_layouts(found: dict[str, dict], manifest: dict) -> None:
+    """The layouts in the weights file are those the manifest recorded at save: a layer's
+    format, modes or threshold changed in the file would load other outputs silently
+    (CoLA, low rank and a TT of one mode per side have cores of the same shapes)."""
+    recorded = manifest.get("layouts")
+    if recorded is None:
+        return  # save_pretrained output: the weights file is all there is
+    for name in sorted(set(found) | set(recorded)):
+        if found.get(name) != recorded.get(name):
+            raise CheckpointError(
+                f"the layout of layer '{name}' in the weights file ({str(found.get(name))[:120]}) "
+                f"is not the one {MANIFEST} recorded at save ({str(recorded.get(name))[:120]}); "
+                "the files are of different saves or altered: save the model again"
+            )
+
+
+def _check_aliases(model: nn.Module, manifest: dict) -> None:
+    """An alias may only join two names the model itself ties (one tensor under both)."""
+    tensors = model.state_dict(keep_vars=True)
+    for alias, key in manifest["aliases"].items():
+        if alias in tensors and key in tensors and tensors[alias] is not tensors[key]:
+            raise CheckpointError(
+                f"{MANIFEST} ties '{alias}' to '{key}', which {type(model).__name__} does not "
+                "tie: loading would give one tensor's values to both; save the model again"
+            )
+
+
+def _check_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Each saved tensor has a dtype its module can compute with: the kind the model holds
+    there (floating or not, an integer exactly), one floating dtype for all of a module's
+    own tensors, rank gates in the dtype ``gate_dtype`` gives their cores, and a floating
+    dtype other than the model's own only where the whole checkpoint is of that dtype (a
+    model cast as a whole, ``model.to(torch.bfloat16)``)."""
+
+    def refuse(key: str, saved: torch.dtype, why: str) -> CheckpointError:
+        return CheckpointError(
+            f"'{key}' is saved as {saved}, but {why}; the weights file is altered: save the "
+            "model again"
+        )
+
+    lists = (nn.ParameterList, nn.ParameterDict)
+    cast: dict[str, tuple[torch.dtype, torch.dtype]] = {}  # key -> (saved, the model's)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, lists):
+            continue  # its parent's tensors (a layer's cores and gates)
+        dot = f"{prefix}." if prefix else ""
+        own = {**dict(module.named_parameters(recurse=False)),
+               **dict(module.named_buffers(recurse=False))}
+        for child_name, child in module.named_children():
+            if isinstance(child, lists):
+                own.update({f"{child_name}.{n}": p
+                            for n, p in child.named_parameters(recurse=False)})
+        floating: dict[torch.dtype, str] = {}
+        gates = []
+        for name, tensor in own.items():
+            key = dot + name
+            saved = state.get(key)
+            if not isinstance(saved, torch.Tensor) or tensor is None:
+                continue  # not saved (non-persistent): _check_keys names a missing one
+            if saved.is_floating_point() != tensor.is_floating_point() or (
+                    not saved.is_floating_point() and saved.dtype != tensor.dtype):
+                raise refuse(key, saved.dtype, f"the model holds {tensor.dtype} there")
+            if saved.dtype.itemsize == 1 and saved.dtype != tensor.dtype:  # float8
+                raise refuse(key, saved.dtype, f"the model holds {tensor.dtype} there")
+            if saved.is_floating_point() and isinstance(module, TensorizedLayer) and (
+                    name.startswith("gates.")):
+                gates.append((key, saved.dtype))
+            elif saved.is_floating_point():
+                floating.setdefault(saved.dtype, key)
+                cast[key] = (saved.dtype, tensor.dtype)
+        if len(floating) > 1:
+            (a, key_a), (b, key_b) = list(floating.items())[:2]
+            raise refuse(key_b, b, f"'{key_a}' of the same module is saved as {a}")
+        for key, dtype in gates:
+            want = gate_dtype(next(iter(floating), dtype))
+            if dtype != want:
+                raise refuse(key, dtype, f"a rank gate of this layer's cores is {want}")
+    dtypes = {saved for saved, _ in cast.values()}
+    if len(dtypes) > 1:
+        for key, (saved, own) in cast.items():
+            if saved != own:
+                raise refuse(key, saved, f"the model holds {own} there and the checkpoint "
+                             f"mixes {', '.join(sorted(str(d) for d in dtypes))}")
+
+
+REPORT_TYPES = {
+    "capture_path": str, "capture_reason": str, "budget": (str, type(None)),
+    "rank": (int, type(None)), "init": str, "before": dict, "originals": dict,
+    "skipped": dict, "returned": str, "config": (dict, type(None)),
+}
+
+
+def _check_report(data: dict[str, Any], model: nn.Module) -> OptimizeReport:
+    """The saved report as ``summary`` and ``config_of`` read it, or ValueError/TypeError
+    (any exception) naming what does not fit."""
+    for field, kind in REPORT_TYPES.items():
+        if field in data and not isinstance(data[field], kind):
+            raise TypeError(f"'{field}' is a {type(data[field]).__name__}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["skipped"].items()):
+        raise TypeError("'skipped' is not an object of reasons")
+    if not all(isinstance(v, dict) for v in data.get("originals", {}).values()):
+        raise TypeError("'originals' is not an object of layer records")
+    report = OptimizeReport(**data)  # a missing capture_path / capture_reason: TypeError
+    if report.config is not None:
+        from comera_compile.config import CompressionConfig
+
+        CompressionConfig.from_dict(report.config)
+    before = report_of(model)
+    attach_report(model, report)
+    try:
+        str(summary(model))  # every field summary reads, of the types it formats
+    finally:
+        attach_report(model, before)
+    return report
+
+
+def _loaded_report(manifest: dict, model: nn.Module) -> OptimizeReport | None:
+    data = manifest.get("report")
+    if not data:
+        return None
+    try:
+        return _check_report({"skipped": {}, **data}, model)
+    except Exception as exc:  # noqa: BLE001 - a report is a record: any fault drops it
+        warnings.warn(
+            f"the report in {MANIFEST} does not describe the loaded model "
+            f"({type(exc).__name__}: {str(exc)[:120]}); it was dropped, so summary shows "
+            "the live layers only",
+            stacklevel=3,
+        )
+        return None
+
+
 def load(
     directory: str | os.PathLike,
     model: nn.Module | None = None,
     map_location: str | torch.device = "cpu",
+    verify: bool = True,
 ) -> nn.Module:
     """Load a checkpoint written by ``save`` (or by ``save_pretrained`` on an optimized model).
 
@@ -521,18 +769,24 @@ def load(
     weight exactly; returns ``model``. Without: rebuilds a Hugging Face model from the saved
     ``config.json``. A checkpoint of another model raises ``CheckpointError`` naming the
     tensors that differ; a layer of other modes raises ``CheckpointLayoutError`` (both a
-    ``CheckpointError`` and a ``LayoutMismatchError``).
+    ``CheckpointError`` and a ``LayoutMismatchError``). ``verify=False`` skips hashing the
+    whole weights file (for files too big to read twice): its header is still checked,
+    but altered tensor values would then load unnoticed.
     """
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)
-    state = _read_weights(directory, manifest, str(map_location))
+    state = _read_weights(directory, manifest, str(map_location), verify)
     returned = _build_hf_base(directory, manifest, state) if model is None else model
     target = _unwrap(returned)
     if manifest["weights"] == HF_WEIGHTS and _is_hf(target):
         state = _hf_names(target, state)
-    _apply_layouts(target, _layouts(state, target))
+    layouts = _layouts(state, target)
+    _check_saved_layouts(layouts, manifest)
+    _apply_layouts(target, layouts)
+    _check_aliases(target, manifest)
     _fill_ties(target, state)
     _check_keys(target, state, manifest)
+    _check_dtypes(target, state)
     _take_saved_dtypes(target, state)
     try:
         target.load_state_dict(state, strict=True)
@@ -541,6 +795,7 @@ def load(
             f"the checkpoint does not fit {type(target).__name__}: {exc}; pass a model built "
             "with the configuration that was saved"
         ) from None
-    if manifest.get("report"):
-        attach_report(target, OptimizeReport(**manifest["report"]))
+    report = _loaded_report(manifest, target)
+    if report is not None:
+        attach_report(target, report)
     return returned

@@ -15,13 +15,16 @@ import tempfile
 import pytest
 import torch
 from hf_models import VOCAB, bert
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.io import MANIFEST, CheckpointError
+from comera_compile.io import MANIFEST, CheckpointError, _header_sha256, _sha256
+
+hypothesis = pytest.importorskip(
+    "hypothesis", reason="property tests need hypothesis: pip install 'comera_compile[dev]'")
+st = pytest.importorskip("hypothesis.strategies")
+given, settings, HealthCheck = hypothesis.given, hypothesis.settings, hypothesis.HealthCheck
 
 EXAMPLES = int(os.environ.get("COMERA_PROPERTY_EXAMPLES", "150"))  # CI: the default, < 1 min
 X = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
@@ -59,14 +62,19 @@ class Saved:
         if weights is not None:
             name = "model-0123456789ab.safetensors"
             save_file(weights, os.path.join(directory, name), metadata={"format": "pt"})
-            if isinstance(manifest, dict):
-                manifest = {**manifest, "weights": name,
-                            "weights_bytes": os.path.getsize(os.path.join(directory, name))}
+            if isinstance(manifest, dict):  # crafted consistently: sizes and hashes agree
+                manifest = {**manifest, **hashes(os.path.join(directory, name)), "weights": name}
         else:
             name = self.manifest["weights"]
             shutil.copy(os.path.join(self.directory, name), os.path.join(directory, name))
         with open(os.path.join(directory, MANIFEST), "w") as f:
             f.write(manifest if isinstance(manifest, str) else json.dumps(manifest))
+
+
+def hashes(path: str) -> dict:
+    """The manifest's record of a weights file, as ``save`` writes it."""
+    return {"weights_bytes": os.path.getsize(path), "sha256": _sha256(path),
+            "header_sha256": _header_sha256(path)}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +150,7 @@ def test_absolute_or_linked_weights_outside_the_directory_are_never_read(saved, 
     assert "'weights' must be a file name" in load_and_judge(saved, str(tmp_path))
     link = tmp_path / "model-0123456789ab.safetensors"
     link.symlink_to(saved.bait)
-    saved.write(str(tmp_path), {**saved.manifest, "weights": link.name, "weights_bytes": None})
+    saved.write(str(tmp_path), {**saved.manifest, "weights": link.name})
     assert "links outside" in load_and_judge(saved, str(tmp_path))
 
 
@@ -224,6 +232,11 @@ def with_config(saved_bert, directory: str, **change) -> str:
     shutil.copytree(root, directory, dirs_exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**config, **change}, f)
+    with open(os.path.join(directory, MANIFEST)) as f:  # crafted consistently
+        manifest = json.load(f)
+    manifest["config_sha256"] = _sha256(os.path.join(directory, "config.json"))
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f)
     return directory
 
 

@@ -2,6 +2,7 @@
 pruning and state dicts."""
 
 import io
+import math
 
 import pytest
 import torch
@@ -23,15 +24,74 @@ def random_gates(layer, low=0.5, high=1.5):
             g.uniform_(low, high)
 
 
+def independent_weight(layer) -> torch.Tensor:
+    """The ``(out, in)`` weight from the cores and gates by the layer's definition, written
+    here without the layer's own code (no gate folding, hardshrink or to_dense): the chain
+    contracted bond by bond, each bond scaled by its gate with entries ``|g| <= threshold``
+    off. TT cores run over the input modes, then the output modes; TTM cores pair an output
+    mode with an input mode."""
+    cores, gates = [c.detach() for c in layer.cores], [g.detach() for g in layer.gates]
+    chain = cores[0][0]
+    for gate, core in zip(gates, cores[1:]):
+        on = torch.where(gate.abs() > layer.threshold, gate, torch.zeros_like(gate))
+        chain = torch.tensordot(chain * on, core, dims=([chain.dim() - 1], [0]))
+    chain = chain[..., 0]
+    if isinstance(layer, TTMLinear):  # (o1, i1, o2, i2, ...) -> (o1, o2, ..., i1, i2, ...)
+        d = chain.dim() // 2
+        chain = chain.permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2))
+        full = chain.reshape(math.prod(chain.shape[:d]), -1)
+        return full[: layer.out_features, : layer.in_features]
+    d = len(layer.in_modes)
+    full = chain.reshape(math.prod(chain.shape[:d]), -1)  # (padded in, padded out)
+    return full[: layer.in_features, : layer.out_features].T
+
+
 @pytest.mark.parametrize("cls", LINEAR_KINDS)
 @pytest.mark.parametrize("shape", [(24, 20), (768, 768), (13, 7)])
 def test_forward_equals_dense(cls, shape):
     layer = cls(*shape, ranks=5).double()
     random_gates(layer)
+    with torch.no_grad():  # channels off below and exactly at the threshold
+        for gate in layer.gates:
+            gate[0] = 0.5 * layer.threshold
+            gate[-1] = -layer.threshold
     x = torch.randn(3, 5, shape[0], dtype=torch.float64)
-    expected = x @ layer.to_dense().T + layer.bias
+    expected = x @ independent_weight(layer).T + layer.bias
     torch.testing.assert_close(layer(x), expected, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(layer.forward_fixed_order(x), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(layer.to_dense(), independent_weight(layer), rtol=1e-10,
+                               atol=1e-10)
+
+
+@pytest.mark.parametrize("cls", LINEAR_KINDS)
+def test_a_gate_exactly_at_the_threshold_is_off(cls):
+    """The boundary: ``|g| <= threshold`` is off in the forward, so it is dead for the rank
+    count and for pruning too."""
+    layer = cls(24, 20, ranks=4, threshold=0.25).double()
+    random_gates(layer)
+    with torch.no_grad():
+        layer.gates[0][1] = 0.25  # exactly representable: exactly at the threshold
+        layer.gates[0][2] = -0.25
+    ranks = layer.ranks
+    assert layer.effective_ranks()[1] == ranks[1] - 2
+    x = torch.randn(4, 24, dtype=torch.float64)
+    before = layer(x)
+    result = layer.prune_ranks()
+    assert layer.ranks[1] == ranks[1] - 2 and result.total_removed > 0
+    torch.testing.assert_close(layer(x), before, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", LINEAR_KINDS)
+def test_a_non_default_threshold_survives_a_state_dict_round_trip(cls):
+    layer = cls(24, 20, ranks=4, threshold=0.3).double()
+    random_gates(layer, 0.1, 1.0)  # some gates between the default threshold and 0.3
+    fresh = cls(24, 20, ranks=4).double()
+    assert fresh.threshold != 0.3
+    fresh.load_state_dict(layer.state_dict())
+    assert fresh.threshold == 0.3
+    assert fresh.effective_ranks() == layer.effective_ranks() != layer.ranks
+    x = torch.randn(4, 24, dtype=torch.float64)
+    assert torch.equal(fresh(x), layer(x))
 
 
 @pytest.mark.parametrize("cls", LINEAR_KINDS)

@@ -9,8 +9,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from comera_compile.formats import (
     chain_ranks,
@@ -30,6 +28,11 @@ from comera_compile.formats import (
     zero_pad,
 )
 from comera_compile.nn import TTEmbedding, TTLinear, TTMLinear
+
+hypothesis = pytest.importorskip(
+    "hypothesis", reason="property tests need hypothesis: pip install 'comera_compile[dev]'")
+st = pytest.importorskip("hypothesis.strategies")
+given, settings = hypothesis.given, hypothesis.settings
 
 FAST = settings(max_examples=25, deadline=None, database=None)  # fast, leaves no files
 modes = st.lists(st.integers(1, 4), min_size=1, max_size=3)

@@ -257,7 +257,6 @@ def _kill_channels(model):
 
 def _error_worker(rank, path, case):
     _init(rank, path, seconds=5)
-    started = time.monotonic()
     saved = False
     try:
         model = shard(small_llama())
@@ -277,10 +276,7 @@ def _error_worker(rank, path, case):
             outcome = "pruned"
         except RuntimeError as exc:
             outcome = str(exc)
-        torch.save(
-            {"error": outcome, "seconds": time.monotonic() - started},
-            f"{path}/rank{rank}.pt",
-        )
+        torch.save({"error": outcome}, f"{path}/rank{rank}.pt")
         saved = True
         if case == "rank fails" and rank == 1:  # stay alive, silent: rank 0 must time out
             while not os.path.exists(f"{path}/rank0.pt"):
@@ -301,12 +297,10 @@ def test_gates_that_differ_between_ranks_raise_on_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_failing_mid_prune_is_an_error_on_the_others_not_a_hang(tmp_path):
-    started = time.monotonic()
     ranks = _spawn(_error_worker, tmp_path, "rank fails")
     assert "sharded prune failed on rank 1" in ranks[1]["error"]
     assert "injected failure mid-prune" in ranks[1]["error"]
     # rank 0 went on to the next group's gather: its collective timed out, no endless wait
     assert "sharded prune failed on rank 0 in FSDP group 'model.layers.1'" in ranks[0]["error"]
     assert "timed out" in ranks[0]["error"].lower()
-    assert ranks[0]["seconds"] < 30
-    assert time.monotonic() - started < 60
+    assert "timed out waiting 5000ms" in ranks[0]["error"].lower()  # the group's timeout

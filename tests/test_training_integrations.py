@@ -131,6 +131,9 @@ def test_lightning_resume_equals_the_uninterrupted_run(tmp_path):
     for column in ("stage", "params", "ranks", "budget"):
         assert got.column(column) == want.column(column), column
     assert got.column("task_loss") == pytest.approx(want.column("task_loss"), rel=1e-9)
+    assert list(resumed.state_dict()) == list(whole.state_dict())
+    for (name, a), b in zip(resumed.state_dict().items(), whole.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
 
 
 # ----- Hugging Face ------------------------------------------------------------------------

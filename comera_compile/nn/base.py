@@ -52,6 +52,35 @@ def decode_layout(value: Any) -> dict[str, Any]:
     return json.loads(bytes(value.detach().cpu().to(torch.uint8).tolist()).decode())
 
 
+_METADATA = (  # what a NoDenseWeight answers: its description, never its values
+    torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_meta.__get__,
+    torch.Tensor.is_cuda.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.size,
+    torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__repr__,
+    torch.Tensor.__len__,
+)
+
+
+class NoDenseWeight(Tensor):
+    """What a tensorized layer's ``.weight`` returns: the dense weight's dtype and shape, and
+    an error for anything that would compute with its values, which do not exist."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", str(func))
+        raise RuntimeError(
+            f"{name}() was called on the .weight of a tensorized layer, which has no dense "
+            "weight (it computes through its cores). Call the layer itself (self.lin(x), not "
+            "F.linear(x, self.lin.weight)); or keep the layer dense "
+            "(CompressionConfig(exclude=[name])); or build the weight on purpose with "
+            "layer.to_dense()"
+        )
+
+
 @dataclass
 class PruneResult:
     """What ``prune_ranks`` removed.
@@ -176,15 +205,17 @@ class TensorizedLayer(PlannedLayer, nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """A meta tensor with the dense weight's shape and the cores' dtype: code that only
+        """A stand-in with the dense weight's shape and the cores' dtype: code that only
         inspects ``layer.weight.dtype`` or ``.shape`` (Hugging Face T5 casts its input to
-        ``wo.weight.dtype``) keeps working, while any arithmetic on it fails loudly. The dense
-        weight is never built here; ``to_dense()`` builds it on purpose."""
+        ``wo.weight.dtype``) keeps working, while any computation with it raises (a plain
+        meta tensor is not enough: ``F.linear(x, meta)`` on CPU returns uninitialised
+        memory). The dense weight is never built here; ``to_dense()`` builds it on purpose."""
         if hasattr(self, "in_features"):
             shape = (self.out_features, self.in_features)
         else:
             shape = (self.num_embeddings, self.embedding_dim)
-        return torch.empty(shape, dtype=self.cores[0].dtype, device="meta")
+        stand_in = torch.empty(shape, dtype=self.cores[0].dtype, device="meta")
+        return stand_in.as_subclass(NoDenseWeight)
 
     def compression_ratio(self) -> float:
         """Dense weight size over the core size at the effective ranks (gates excluded)."""

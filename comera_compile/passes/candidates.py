@@ -125,8 +125,9 @@ def _tied_embedding(module: nn.Module, tied: list[str], by_name: dict) -> str | 
                 None)
 
 
-def find_candidates(model: nn.Module) -> list[Candidate]:
-    """Every Linear-like and embedding layer, each module once, in definition order."""
+def find_candidates(model: nn.Module, weight_reads: set[str] = frozenset()) -> list[Candidate]:
+    """Every Linear-like and embedding layer, each module once, in definition order.
+    ``weight_reads``: modules whose weight the captured forward reads directly."""
     names: dict[int, list[str]] = {}
     modules: dict[int, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -159,7 +160,10 @@ def find_candidates(model: nn.Module) -> list[Candidate]:
         )
         group = _tied_group(module, kind, tied, by_name)
         embedding = _tied_embedding(module, tied, by_name)
-        if group is not None and any(order[e] < order[name] for e in group[0]):
+        if weight_reads.intersection((name, *aliases)):
+            cand.skip = (f"the forward reads '{name}.weight' directly (not only through the "
+                         "layer's call), and a tensorized layer has no dense weight to read")
+        elif group is not None and any(order[e] < order[name] for e in group[0]):
             first = min(group[0], key=order.__getitem__)
             cand.skip = f"the same table as '{first}': swapped together with it"
         elif group is not None:

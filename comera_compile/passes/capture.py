@@ -16,7 +16,7 @@ self.training)`` does, bakes the mode in) and the forward has no optional argume
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,9 @@ class Capture:
     reason: str  # why this path was taken
     called: set[str] | None  # qualified names of modules the forward runs; None = unknown
     graph_exact: str = "not traced"  # "" when a GraphModule is exact, else why it is not
+    # modules whose weight the forward reads directly (F.linear(x, self.lin.weight)), not
+    # only through their own call: a tensorized layer has no dense weight to give
+    weight_reads: set[str] = field(default_factory=set)
 
     @property
     def traced(self) -> bool:
@@ -136,8 +139,67 @@ class _TensorOutputs(nn.Module):
         return tuple(leaves)
 
 
-def export_called(model: nn.Module, example_inputs: Any) -> set[str]:
-    """Names of the modules that own at least one node of the exported graph."""
+METADATA_READS = {"shape", "dtype", "device", "ndim", "size", "dim", "is_floating_point"}
+
+
+def _metadata_only(node: torch.fx.Node) -> bool:
+    """Whether every use of ``node`` asks only for its description (``w.shape``,
+    ``w.dtype``, ``w.size(0)``), which a tensorized layer's ``.weight`` still answers."""
+    for user in node.users:
+        if user.op == "call_method" and user.target in METADATA_READS:
+            continue
+        if (user.op == "call_function" and user.target is getattr
+                and user.args[1] in METADATA_READS):
+            continue
+        return False
+    return True
+
+
+def _fx_weight_reads(graph_module: torch.fx.GraphModule) -> set[str]:
+    """Modules whose ``weight`` the graph computes with outside their own call (a
+    ``get_attr`` node used for more than its shape or dtype): fx keeps Linear and Embedding
+    as leaves, so such a read shows."""
+    found = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr" and not _metadata_only(node):
+            module, _, attr = node.target.rpartition(".")
+            if attr == "weight":
+                found.add(module)
+    return found
+
+
+def _owners(model: nn.Module) -> dict[int, set[str]]:
+    """Parameter identity -> names of every module that holds it (tied weights have many)."""
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(name)
+    return owners
+
+
+def _export_weight_reads(program: Any, model: nn.Module) -> set[str]:
+    """Modules whose ``weight`` a node outside every module holding it uses."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    owners = _owners(model)
+    found: set[str] = set()
+    inputs = program.graph_signature.inputs_to_parameters
+    for node in program.graph.nodes:
+        fqn = inputs.get(node.name) if node.op == "placeholder" else None
+        if fqn is None or not fqn.endswith("weight"):
+            continue
+        param = params.get(fqn.removeprefix("model."))
+        holders = owners.get(id(param), set()) if param is not None else set()
+        for user in node.users:
+            stack = {path.removeprefix("model.") for path, _ in
+                     (user.meta.get("nn_module_stack") or {}).values()}
+            if holders and not holders & stack:
+                found.update(holders)
+    return found
+
+
+def export_called(model: nn.Module, example_inputs: Any) -> tuple[set[str], set[str]]:
+    """Names of the modules that own at least one node of the exported graph, and of those
+    whose weight is read outside their own call."""
     args, kwargs = as_call(example_inputs)
     with quiet_eval(model):
         program = torch.export.export(_TensorOutputs(model), args, kwargs, strict=False)
@@ -146,7 +208,7 @@ def export_called(model: nn.Module, example_inputs: Any) -> set[str]:
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():
             if path.startswith("model."):
                 called.add(path.removeprefix("model."))
-    return called
+    return called, _export_weight_reads(program, model)
 
 
 def exact_graph_module(model: nn.Module) -> tuple[torch.fx.GraphModule | None, str]:
@@ -166,14 +228,14 @@ def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
         targets = {n.target for n in graph_module.graph.nodes if n.op == "call_module"}
         called = _with_descendants(graph_module, targets)
         return Capture(graph_module, FX, "torch.fx.symbolic_trace succeeded", called,
-                       _mode_dependence(model, graph_module))
+                       _mode_dependence(model, graph_module), _fx_weight_reads(graph_module))
     if example_inputs is None:
         return Capture(
             model, MODULES, f"{why_not_fx}; no example_inputs to export with, so layers were "
             "found by walking named_modules()", None, why_not_fx
         )
     try:
-        called = export_called(model, example_inputs)
+        called, weight_reads = export_called(model, example_inputs)
     except Exception as exc:
         return Capture(
             model, MODULES,
@@ -181,4 +243,4 @@ def capture(model: nn.Module, example_inputs: Any = None) -> Capture:
             "walking named_modules()", None, why_not_fx,
         )
     return Capture(model, EXPORT, f"{why_not_fx}; graph from torch.export (non-strict)", called,
-                   why_not_fx)
+                   why_not_fx, weight_reads)

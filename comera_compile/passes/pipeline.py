@@ -96,7 +96,7 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
                              f"exact graph and inplace=False ({why}); pass fuse=False")
         fuse_captured(captured)
         target = captured.model
-    candidates = find_candidates(target)
+    candidates = find_candidates(target, captured.weight_reads)
     if not candidates:
         kinds = sorted({type(m).__name__ for m in target.modules() if m is not target})
         raise ValueError(
