@@ -23,6 +23,7 @@ from comera_compile.training.size import (
     model_size,
     tensorized_compression,
 )
+from comera_compile.training.start import START_FACTOR, start_budget
 from comera_compile.training.trainer import RankAdaptiveTrainer
 
 try:  # FSDP2 needs torch.distributed, absent from some builds
@@ -46,6 +47,7 @@ __all__ = [
     "Plateau",
     "PrunableDDP",
     "RankAdaptiveTrainer",
+    "START_FACTOR",
     "core_l2",
     "cut_to_checkpoint",
     "distill",
@@ -68,6 +70,7 @@ __all__ = [
     "size_weight",
     "slice_optimizer_state",
     "soft_size",
+    "start_budget",
     "tensorized_compression",
     "tensorized_layers",
 ]
