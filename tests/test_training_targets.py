@@ -139,3 +139,41 @@ def test_revival_brings_back_the_most_energetic_fresh_deaths_first():
     alive = layer.gates[1].detach().abs() > layer.threshold
     assert alive.tolist()[1] and not alive.tolist()[3]  # the strong one back; the old one stays
     assert int(alive.sum()) == 2
+
+
+# ----- the rank plot ----------------------------------------------------------------------------
+def test_rank_plot_groups_layers_by_block_and_marks_the_target(tmp_path):
+    from comera_compile.training.plots import layer_groups, plot_ranks
+
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj",
+             "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj", "lm_head", "0", "2"]
+    assert layer_groups(names) == {
+        "model.layers.*.self_attn.q_proj": {"0": names[0], "1": names[1]},
+        "model.layers.*.mlp.up_proj": {"0": names[2], "1": names[3]},
+        "lm_head": {"lm_head": "lm_head"},
+        "*": {"0": "0", "2": "2"},
+    }
+    x, y = toy_classes(64)
+    model = small_tt_model()
+    opt = torch.optim.AdamW(param_groups(model, lr_cores=1e-2, lr_gates=1e-3, lr_rest=1e-2))
+    trainer = RankAdaptiveTrainer(model, opt, early_steps=10, target_ratio=0.5, total_steps=30)
+    train_steps(model, opt, trainer, x, y, 30)
+    figure = {}
+
+    def keep(fig, path):  # the figure as saved: one size panel, one panel for "*"
+        figure["axes"] = [ax for ax in fig.axes if ax.get_visible()]
+        return path
+
+    import comera_compile.training.plots as plots
+
+    saved, plots._save = plots._save, keep
+    try:
+        plot_ranks(trainer.history, tmp_path / "r.png")
+    finally:
+        plots._save = saved
+    size, ranks = figure["axes"]
+    labels = [t.get_text() for t in size.get_legend().get_texts()]
+    assert labels[:2] == ["size", "budget"] and labels[2].startswith("target ")
+    assert f"{trainer.size_target:,.0f}" in labels[2]
+    assert [t.get_text() for t in ranks.get_legend().get_texts()][:2] == ["0", "2"]
+    assert plot_ranks(trainer.history, tmp_path / "r.png").stat().st_size > 5000
