@@ -107,6 +107,9 @@ def _plot_size(ax, history: History, target: float | None) -> None:
         ax.annotate(f"end {end:,} ({end / target - 1:+.1%})", (steps[-1], end),
                     textcoords="offset points", xytext=(-4, 6), ha="right", fontsize=7)
     _mark_late_start(ax, history)
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.set_title("model size", fontsize=8)
     ax.set_xlabel("step", fontsize=8)
     ax.set_ylabel("parameters", fontsize=8)
