@@ -11,8 +11,11 @@ steps and schedule, and reports held-out bits per byte:
 - ``default``: ``optimize(budget=...)`` with default options and
   ``param_groups(model, lr=...)`` (the dense model's learning rate, nothing else);
 - one row per format (``tt``, ``ttm``, ``lowrank``, ``cola``) at the same budget;
-- ``comera``: rank-adaptive training in the default format that starts twice as large and
-  ends at the size of the ``default`` row (same layers, same final size, fixed ranks);
+- ``comera``: rank-adaptive training in the default format, as the README's recipe has it:
+  ``optimize`` at ``training.start_budget(budget)`` (twice the budget), then
+  ``RankAdaptiveTrainer(target_budget=budget)``, which ends at half the start size, the
+  size of the ``default`` row within a few percent (same layers at fixed ranks; the table
+  shows both sizes);
   ``comera-tt`` does the same with TT layers and is compared with the ``tt`` row;
 - ``comera-compiled`` / ``default-compiled``: the same runs with ``optimize``'s default
   ``compile=True`` (eager for the measured compile's wait, or, in a rank-adaptive run of
@@ -155,7 +158,8 @@ def build(args, row: str):
         row.endswith("-compiled") or args.compile)
     row = eager_row(row)
     fixed = ADAPTIVE_ROWS.get(row, row)  # a rank-adaptive row's layers are its fixed row's
-    budget = args.budget * 2 if row in ADAPTIVE_ROWS else args.budget
+    budget = (cc.training.start_budget(args.budget, args.start_factor) if row in ADAPTIVE_ROWS
+              else args.budget)
     kwargs = {} if fixed == "default" else {"format": fixed}
     if compiled == "always":  # symbolic ranks: cuts compile nothing
         config = cc.CompressionConfig(budget=budget, compile="always",
@@ -187,12 +191,24 @@ def optimizer_for(args, row: str, model):
     return torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
 
 
-def schedule(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
+def schedule(step: int, warmup: int, total: int, kind: str = "cosine") -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak (``kind="constant"``: the
+    peak rate held to the end)."""
     if step < warmup:
         return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
     progress = (step - warmup) / max(1, total - warmup)
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def trainer_options(pairs: list[str]) -> dict:
+    """``--adapt key=value`` pairs as ``RankAdaptiveTrainer`` keywords (numbers parsed)."""
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        options[key] = json.loads(value) if value[:1] in "-.0123456789[{tfn" else value
+    return options
 
 
 def rss_mb() -> float:
@@ -225,9 +241,14 @@ def run_row(args) -> dict:
     trainer = None
     adaptive = eager_row(args.row)
     if adaptive in ADAPTIVE_ROWS:
-        fixed = count(build(args, ADAPTIVE_ROWS[adaptive])[0])  # its fixed-rank row's size
+        # the README's recipe: one number, the budget to end at (optimize started at
+        # start_budget of it); another start factor aims at the fixed-rank row's size
+        if args.start_factor == cc.training.START_FACTOR:
+            target = {"target_budget": args.budget}
+        else:
+            target = {"target_params": count(build(args, ADAPTIVE_ROWS[adaptive])[0])}
         trainer = cc.training.RankAdaptiveTrainer(  # defaults, but for the run's length
-            model, optimizer, target_params=fixed, total_steps=args.steps)
+            model, optimizer, total_steps=args.steps, **target, **trainer_options(args.adapt))
     data_gen = torch.Generator().manual_seed(args.seed + 2)
     curve = [(0, 0.0, evaluate(model, val_batches))]
     rss_before = rss_mb()
@@ -238,7 +259,8 @@ def run_row(args) -> dict:
     def train_step(step: int) -> float:
         xb = batch(train, args.batch, args.seq, data_gen)
         for group, lr in zip(optimizer.param_groups, base):
-            group["lr"] = lr * schedule(min(step, args.steps - 1), args.warmup, args.steps)
+            group["lr"] = lr * schedule(min(step, args.steps - 1), args.warmup, args.steps,
+                                        args.schedule)
         start = time.perf_counter()
         logits = model(xb[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, 256), xb[:, 1:].reshape(-1))
@@ -394,7 +416,8 @@ def race(args) -> None:
     print(text)
     setup = (f"LlamaForCausalLM {args.layers} x {args.hidden} (FFN {args.ffn}, {args.heads} "
              f"heads), byte vocabulary, sequence {args.seq}, batch {args.batch}, {args.steps} "
-             f"AdamW steps ({args.warmup} warm-up, cosine), lr {args.lr}, budget {args.budget}, "
+             f"AdamW steps ({args.warmup} warm-up, {args.schedule}), lr {args.lr}, budget "
+             f"{args.budget} (rank-adaptive rows start at {args.start_factor:g}x it), "
              f"corpus {args.corpus_name or args.corpus}; equal wall clock = the "
              f"{clock_row} row's training time ({clock:.0f} s); one process per row.")
     body = setup + "\n\n```\n" + text + "\n```\n\ncurves (step, seconds, val bpb):\n\n```\n"
@@ -435,7 +458,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="after the warm-up: cosine decay to a tenth, or the peak rate held")
+    p.add_argument("--start-factor", type=float, default=2.0,
+                   help="rank-adaptive rows start at this multiple of --budget")
     p.add_argument("--budget", type=float, default=0.25, help="kept share of the parameters")
+    p.add_argument("--adapt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a RankAdaptiveTrainer keyword for the rank-adaptive rows (repeatable), "
+                        "e.g. --adapt settle_fraction=0.3")
     p.add_argument("--uniform-lr", action="store_true",
                    help="ablation: every core at --lr instead of its structure-aware rate")
     p.add_argument("--galore-rank", type=int, default=96)

@@ -23,6 +23,7 @@ from comera_compile.training.size import (
     model_size,
     tensorized_compression,
 )
+from comera_compile.training.start import START_FACTOR, start_budget
 from comera_compile.training.trainer import RankAdaptiveTrainer
 
 try:  # FSDP2 needs torch.distributed, absent from some builds
@@ -46,6 +47,7 @@ __all__ = [
     "Plateau",
     "PrunableDDP",
     "RankAdaptiveTrainer",
+    "START_FACTOR",
     "cut_to_checkpoint",
     "distill",
     "distill_loss",
@@ -66,6 +68,7 @@ __all__ = [
     "shard",
     "size_weight",
     "soft_size",
+    "start_budget",
     "tensorized_compression",
     "tensorized_layers",
 ]

@@ -142,6 +142,62 @@ def lift_short_bonds(bank: GateBank, counts: list[int], min_rank: int) -> int:
 
 
 @torch.no_grad()
+def revive_fresh_deaths(
+    bank: GateBank,
+    counts: list[int],
+    deficit: float,
+    optimizer: torch.optim.Optimizer | None = None,
+    unit: list[int] | None = None,
+) -> int:
+    """Switch channels that died at the threshold this step back on, the largest bond energy
+    first, until the size has regained ``deficit`` (or none is left).
+
+    A gate pushed down by the rank terms crosses the threshold by itself, and under Adam all
+    gates of a bond that the size term outweighs fall at the same rate, so they cross
+    together: one step can take a bond from full rank to ``min_rank`` and the model far
+    below the size it was asked for. Fresh deaths are the entries with ``0 < |g| <= t``
+    (``freeze_dead`` zeroes them after this step; entries switched off on purpose are 0
+    already). A revived entry sits at twice the threshold with its momentum cleared, as
+    ``lift_short_bonds`` leaves one. ``counts`` is updated in place; returns how many."""
+    candidates = []
+    for b, gate in enumerate(bank.gates):
+        g = gate.detach().abs()
+        fresh = ((g > 0) & (g <= bank.thresholds[b])).nonzero().flatten()
+        if fresh.numel():
+            layer, k = bank.layers[bank.bond_layer[b]], bank.bond_k[b]
+            r = gate.numel()
+            left = full(layer.cores[k].detach()).reshape(-1, r).norm(dim=0)
+            right = full(layer.cores[k + 1].detach()).reshape(r, -1).norm(dim=1)
+            energy = (left * right)[fresh].tolist()
+            candidates += [(e, b, int(i)) for e, i in zip(energy, fresh.tolist())]
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+    revived = 0
+    for _, b, i in candidates:
+        if deficit <= 0:
+            break
+        counts[b] += 1
+        deficit -= bank.cost_per_channel(counts, b) * (1 if unit is None else
+                                                       unit[bank.bond_layer[b]])
+        gate = bank.gates[b]
+        sign = -1.0 if gate[i] < 0 else 1.0
+        gate[i] = sign * 2 * bank.thresholds[b]
+        _clear_momentum(optimizer, gate, i)
+        revived += 1
+    return revived
+
+
+def _clear_momentum(optimizer: torch.optim.Optimizer | None, param: torch.Tensor, i: int) -> None:
+    """Zero entry ``i`` of the parameter's first-moment state (AdamW's ``exp_avg``, SGD's
+    ``momentum_buffer``), so a revived gate is not carried straight back down."""
+    if optimizer is None:
+        return
+    for name, value in optimizer.state.get(param, {}).items():
+        if name in ("exp_avg", "momentum_buffer") and torch.is_tensor(value):
+            if value.shape == param.shape:
+                value[i] = 0
+
+
+@torch.no_grad()
 def freeze_dead(
     bank: GateBank, bonds: list[int], optimizer: torch.optim.Optimizer | None = None
 ) -> None:
@@ -197,8 +253,10 @@ def choose_removals(
     min_rank: int,
     unit: list[int] | None = None,
 ) -> dict[int, list[int]]:
-    """Channels to switch off so the size falls by at least ``excess``: the smallest
-    energy shares first, never below ``min_rank`` live channels per bond.
+    """Channels to switch off so the size falls by ``excess``: the smallest energy shares
+    first, never below ``min_rank`` live channels per bond, and none whose cost is more
+    than twice what is left to remove (the size lands nearest the budget, by at most half
+    a channel above it, rather than a whole costly channel below).
 
     ``scores`` is the flat concatenation of ``channel_scores``; ``unit`` the bytes per
     parameter of each layer (None: count parameters). ``counts`` is updated in place.
@@ -218,8 +276,11 @@ def choose_removals(
         b = bond_of[i]
         if counts[b] <= min_rank:
             continue
-        cost = bank.cost_per_channel(counts, b)
-        excess -= cost * (1 if unit is None else unit[bank.bond_layer[b]])
+        cost = bank.cost_per_channel(counts, b) * (1 if unit is None else
+                                                   unit[bank.bond_layer[b]])
+        if cost > 2 * excess:
+            continue
+        excess -= cost
         counts[b] -= 1
         chosen.setdefault(b, []).append(entry_of[i])
     return chosen

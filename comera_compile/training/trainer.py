@@ -25,9 +25,15 @@ Under DDP wrap the model in ``PrunableDDP``; under FSDP2 shard it with ``trainin
 (each prune then gathers, cuts and re-shards the groups that lost channels).
 
 The late stage needs targets. Size ``S`` is ``model_size`` (parameters, or bytes with
-``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` at late-stage start,
-or ``target_params`` / ``target_bytes``. The task-loss target ``L_t`` is ``task_target``,
-or else the task loss EMA at late-stage start (hold the loss where it was, shrink the rest).
+``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` when the trainer was
+built (so channels the early stage lost count against it), or ``target_params`` /
+``target_bytes``, or, with ``target_budget=b`` for a model ``optimize`` built at
+``start_budget(b)`` (twice ``b``), the share ``b`` of the dense model. Channels that die
+at the threshold never take ``S`` below ``S_t`` (nor, in the late stage, below the
+budget): the ones that carry most come back on (``size_floor``). ``target_reached`` means
+``S`` is within ``TARGET_TOLERANCE`` (5%) of ``S_t``; ``target_gap`` says by how much.
+The task-loss target ``L_t`` is ``task_target``, or else the task loss EMA at late-stage
+start (hold the loss where it was, shrink the rest).
 
 Without the run's length the late stage is the paper's: each step the switch rule picks
 the objective further from its target. With ``total_steps`` (or ``epochs`` and
@@ -73,14 +79,23 @@ from comera_compile.training.pruning import (
     freeze_dead,
     lift_short_bonds,
     prune_model,
+    revive_fresh_deaths,
     switch_off,
 )
 from comera_compile.training.schedule import EARLY, LATE, Plateau, SizeTargetSchedule, size_weight
 from comera_compile.training.size import model_size
+from comera_compile.training.start import end_ratio
 
 PRUNE_EVERY = 100
 """``prune_every="auto"``: how often dead channels are looked for and cut out."""
 
+TARGET_TOLERANCE = 0.05
+"""``target_reached``: the size is within this share of ``S_t``, above or below."""
+
+SWITCH_SLACK = 0.01
+"""The switch rule counts a size within this share above its budget as met: the size floor
+holds the size just above the budget, and a rule waiting for ``S <= S_t`` exactly would
+keep the task loss at a tenth of its weight for good."""
 COMPILED_MIN_CUT = 1 / 3
 """A compiled model recompiles at every shape change, so it is cut only once a third of its
 core parameters are dead, and where the run needs its final shapes: at most a few
@@ -201,9 +216,12 @@ class RankAdaptiveTrainer:
         steps_per_epoch: int | None = None,
         settle_fraction: float = 0.5,
         progress: bool = False,
+        target_budget: float | None = None,
     ) -> None:
-        if target_params is not None and target_bytes is not None:
-            raise ValueError("give target_params or target_bytes, not both")
+        if sum(t is not None for t in (target_params, target_bytes, target_budget)) > 1:
+            raise ValueError("give one of target_params, target_bytes and target_budget, not both")
+        if target_budget is not None:  # the model was built at start_budget(target_budget)
+            target_ratio = end_ratio(target_budget)
         if not 0 < target_ratio <= 1:
             raise ValueError(f"target_ratio must be in (0, 1], got {target_ratio}")
         _check_optimizer(optimizer)
@@ -241,7 +259,7 @@ class RankAdaptiveTrainer:
         self.collective = Collective()
         self.steps = 0
         self._stage = EARLY
-        self.size_start: int | None = None  # S when the late stage started
+        self.size_start: int | None = None  # S when the late stage started (for reports)
         self.size_target: float | None = None  # S_t
         self.task_loss_target: float | None = None  # L_t
         self.schedule: SizeTargetSchedule | None = None
@@ -313,6 +331,7 @@ class RankAdaptiveTrainer:
         self.steps += 1
         counts, task_loss, rank_loss = self._read()
         lift_short_bonds(self.bank, counts, self.min_rank)
+        self._hold_floor(counts)
         died = [b for b, c in enumerate(counts) if c < self._counts[b]]
         freeze_dead(self.bank, died, self.optimizer)
         plateaued = self.plateau.update(task_loss) if task_loss is not None else False
@@ -421,7 +440,7 @@ class RankAdaptiveTrainer:
         elif self.target_params is not None:
             self.size_target = float(self.target_params)
         else:
-            self.size_target = self.target_ratio * self.size_start
+            self.size_target = self.target_ratio * self._size_initial
         if self.task_target is not None:
             self.task_loss_target = float(self.task_target)
         elif self.plateau.ema is not None:
@@ -455,9 +474,39 @@ class RankAdaptiveTrainer:
         return self.schedule(step) if self.schedule is not None else self.size_target
 
     @property
+    def target_gap(self) -> float | None:
+        """``S / S_t - 1`` in the late stage (0: on target; -0.1: 10% below), else None."""
+        if self._stage != LATE:
+            return None
+        return self.size() / self.size_target - 1.0
+
+    @property
     def target_reached(self) -> bool:
-        """True in the late stage once ``S <= S_t``."""
-        return self._stage == LATE and self.size() <= self.size_target
+        """True in the late stage while ``S`` is within ``TARGET_TOLERANCE`` of ``S_t``,
+        above or below (a model left far below its target has not reached it either), or,
+        in a model so small that one channel is a larger step, within half a channel of
+        ``S_t`` (where budget cuts land at worst)."""
+        if self._stage != LATE:
+            return False
+        counts = self._counts  # live channels after the last step
+        units = self._units() or [1] * len(self.bank.layers)
+        steps = [self.bank.cost_per_channel(counts, b) * units[self.bank.bond_layer[b]]
+                 for b in range(len(self.bank))]
+        slack = max(TARGET_TOLERANCE * self.size_target, max(steps, default=0) / 2)
+        return abs(self.size() - self.size_target) <= slack
+
+    def size_floor(self) -> float | None:
+        """The size that channels dying at the threshold may not take the model below: the
+        budget in the late stage; in the early stage the absolute target
+        (``target_params`` / ``target_bytes``), so the early stage's deaths count against
+        it too; None where nothing is known yet."""
+        if self._stage == LATE:
+            return self.budget()
+        if self.target_bytes is not None:
+            return float(self.target_bytes)
+        if self.target_params is not None:
+            return float(self.target_params)
+        return self.target_ratio * self._size_initial
 
     # ----- internals ----------------------------------------------------------------------
     def _advance_bar(self, size: int, task_loss: float | None) -> None:
@@ -517,6 +566,20 @@ class RankAdaptiveTrainer:
             sizes = [s * u for s, u in zip(sizes, units)]
         return sum(sizes) + self._other
 
+    def _hold_floor(self, counts: list[int]) -> None:
+        """Where this step's threshold deaths took the size below ``size_floor`` (and below
+        where it was), switch the most energetic of them back on until it is not
+        (``revive_fresh_deaths``; ``counts`` is updated to match). Channels are cut below
+        the budget only by choice (``_meet_budget``, least energy first), never by a bond's
+        gates falling through the threshold together."""
+        floor = self.size_floor()
+        if floor is None:
+            return
+        size = self._size_of(counts)
+        deficit = min(floor, self._size_of(self._counts)) - size
+        if deficit > 0:
+            revive_fresh_deaths(self.bank, counts, deficit, self.optimizer, self._units())
+
     def _budget_check_due(self) -> bool:
         """Prune points, and where a schedule must hold: ten points over its span, its end
         and the last step. Meeting the budget only switches channels off (no shape
@@ -557,7 +620,10 @@ class RankAdaptiveTrainer:
         """The paper's switch rule, against the current budget."""
         if task_loss is None or not math.isfinite(task_loss):
             return self.lam  # a non-finite loss says nothing about the gap: keep the choice
-        return size_weight(task_loss, self.task_loss_target, size, self.budget(self.steps + 1))
+        budget = self.budget(self.steps + 1)
+        if size <= budget * (1 + SWITCH_SLACK):
+            return 0.0
+        return size_weight(task_loss, self.task_loss_target, size, budget)
 
     def _record(
         self, counts: list[int], size: int, task_loss: float | None, rank_loss: float | None
@@ -575,6 +641,7 @@ class RankAdaptiveTrainer:
             rank_loss=rank_loss,
             lam=self.lam if self._stage == LATE and self.schedule is None else None,
             budget=self.budget(),
+            size=size,
             params=model_size(unwrap(self.model), ranks=ranks) if self.in_bytes else size,
             compression=dense / cores if cores else 1.0,
             pruned=sum(r.total_removed for r in self.last_pruned.values()),
@@ -590,6 +657,7 @@ class RankAdaptiveTrainer:
             "steps": self.steps,
             "stage": self._stage,
             "size_start": self.size_start,
+            "size_initial": self._size_initial,
             "size_target": self.size_target,
             "task_loss_target": self.task_loss_target,
             "size_norm": float(self._size_norm) if self._tensors_ready else 1.0,
@@ -610,6 +678,7 @@ class RankAdaptiveTrainer:
             _regroup(unwrap(self.model), self.optimizer, state["param_groups"])
         self.steps, self._stage = state["steps"], state["stage"]
         self.size_start, self.size_target = state["size_start"], state["size_target"]
+        self._size_initial = state.get("size_initial", self._size_initial)
         self.task_loss_target = state["task_loss_target"]
         self.lam = state.get("lam", 0.0)
         self._counts = list(state.get("counts", self.bank.sizes()))
