@@ -49,7 +49,7 @@ def _fails_fast(capsys, argv, *needles):
     """Exit status 2, one `comera: error:` line naming the fix, no traceback, raised before
     any optimize or training began."""
     import comera_compile.api
-    import comera_compile.demo
+    import comera_compile.cli.demo
 
     began = []
 
@@ -62,7 +62,7 @@ def _fails_fast(capsys, argv, *needles):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(comera_compile.api, "optimize", refuse("optimize"))
-        patch.setattr(comera_compile.demo, "run_demo", refuse("run_demo"))
+        patch.setattr(comera_compile.cli.demo, "run_demo", refuse("run_demo"))
         assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("comera: error: ")
