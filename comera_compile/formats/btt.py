@@ -139,7 +139,8 @@ def btt_project(w: Tensor, in_modes: Sequence[int], out_modes: Sequence[int],
     if rank > btt_rank_cap(in_modes, out_modes):
         raise ValueError(f"rank {rank} exceeds the blocks' size {m0} x {n1}; "
                          f"use at most {btt_rank_cap(in_modes, out_modes)}")
-    blocks = w.reshape(m1, m0, n0, n1).permute(0, 2, 1, 3).float()  # (m1, n0, m0, n1)
+    work = torch.float64 if w.dtype == torch.float64 else torch.float32
+    blocks = w.reshape(m1, m0, n0, n1).permute(0, 2, 1, 3).to(work)  # (m1, n0, m0, n1)
     u, s, vh = torch.linalg.svd(blocks, full_matrices=False)
     root = s[..., :rank].sqrt()
     left = u[..., :rank] * root.unsqueeze(-2)  # (m1, n0, m0, r)

@@ -135,9 +135,10 @@ def monarch_project(w: Tensor, in_modes: Sequence[int], out_modes: Sequence[int]
     check_monarch_modes(in_modes, out_modes)
     (b, p), (_, s) = in_modes, out_modes
     (_, _, q), _ = monarch_core_shapes(in_modes, out_modes)
-    blocks = w.float().reshape(b, p, s, b)  # [k, i, u, l]
-    left = torch.zeros(b, p, q)
-    right = torch.zeros(b, q, s)
+    work = torch.float64 if w.dtype == torch.float64 else torch.float32
+    blocks = w.to(work).reshape(b, p, s, b)  # [k, i, u, l]
+    left = torch.zeros(b, p, q, dtype=work, device=w.device)
+    right = torch.zeros(b, q, s, dtype=work, device=w.device)
     for k in range(b):
         for l in range(b):
             cols, rows = _routes(b, q, k, l)
