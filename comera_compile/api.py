@@ -144,8 +144,13 @@ def optimize(
     ``format`` is ``"cola"`` (``silu(x U) V``, the format that pays in pretraining),
     ``"tt"`` (each layer's order, i.e. modes per side,
     is the one with the cheapest planned training step at the example batch, at equal
-    parameters; ``layer_config`` can set ``order``), ``"ttm"``, or ``"lowrank"`` (``W = U V``:
-    fastest per row, least accurate at high compression). ``autotune=True`` times the best
+    parameters; ``layer_config`` can set ``order``), ``"ttm"``, ``"lowrank"`` (``W = U V``:
+    fastest per row, least accurate at high compression), ``"btt"`` (block tensor-train of
+    two cores: full rank, its rank chosen by the budget and gated for pruning) or
+    ``"monarch"`` (two block-diagonal factors: full rank, its block count chosen by the
+    budget; no rank to prune). Both run as two batched matmuls and take the papers'
+    structure-aware init; ``training.param_groups(model, lr=...)`` gives each factor its
+    learning-rate share. ``autotune=True`` times the best
     few contraction orders of each layer on first use; ``objective`` is the planner's cost
     (cotengra's ``"combo"``). ``memory="low"`` (compiled models) recomputes the
     wide outputs of thin (rank-bond) products in backward and keeps dropout masks as bits:

@@ -213,13 +213,15 @@ class CompressionConfig:
     ``budget``: how small the result must be (module docstring: a float keeps a share, a
     ``"40x"`` string or ``Budget(ratio=40)`` is a compression ratio, an int a parameter
     count; None tensorizes every eligible layer at the default rank).
-    ``format``: ``"tt"``, ``"ttm"``, ``"lowrank"``, ``"cola"``, ``"auto"`` (per layer, by
-    output error; pretrained weights) or None (from scratch ``"cola"``, or ``"tt"`` where the
+    ``format``: ``"tt"``, ``"ttm"``, ``"lowrank"``, ``"cola"``, ``"btt"`` (block
+    tensor-train: full rank, a rank gate), ``"monarch"`` (full rank, sized by its block
+    count), ``"auto"`` (per layer, by output error; pretrained weights) or None (from scratch ``"cola"``, or ``"tt"`` where the
     budget is below CoLA's rank-1 floor; ``"auto"`` for ``init="dense"`` with example
     inputs; else ``"tt"``). ``init``: ``"random"``
     (train from scratch, as CoMERA does) or ``"dense"`` (TT-SVD of the current weights).
     ``max_rank``: a cap on every bond rank. ``include`` / ``exclude``: layer names or
-    glob patterns to consider or leave dense. ``layer_config``: per-layer settings by name.
+    glob patterns to consider or leave dense. ``layer_config``: per-layer settings by name
+    (``format``, ``ranks``, modes, ``order``; ``blocks`` for a Monarch layer).
     ``objective``: the planner's cost (cotengra's ``"combo"``); ``autotune``: time the best
     few contraction orders of each layer on first use. ``fuse``: merge sibling Linear
     layers that read the same input first. ``device``: where new cores are created.
