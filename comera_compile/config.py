@@ -260,15 +260,16 @@ class CompressionConfig:
     ``budget``: how small the result must be (module docstring: a float keeps a share, a
     ``"40x"`` string or ``Budget(ratio=40)`` is a compression ratio, an int a parameter
     count; None tensorizes every eligible layer at the default rank).
-    ``format``: ``"cola"`` (``silu(x U) V``, the format that pays in pretraining),
-    ``"tt"`` (each layer's order, i.e. modes per side, is the one with the cheapest planned
-    training step at the example batch, at equal parameters; ``layer_config`` can set
-    ``order``), ``"ttm"``, ``"lowrank"`` (``W = U V``: fastest per row, least accurate at
-    high compression), ``"auto"`` (with ``init="dense"`` and example inputs: the layers are
-    sized in low rank, then each Linear layer gets the format of least output error at that
-    size, and the summary says why; without inputs low rank) or None (from scratch
-    ``"cola"``, or ``"tt"`` where the budget is below CoLA's rank-1 floor; ``"auto"`` for
-    ``init="dense"`` with example inputs; else ``"tt"``). A format you name is kept.
+    ``format``: ``"cola"`` (``silu(x U) V``, the format that pays in pretraining), ``"tt"``
+    (each layer's order, i.e. modes per side, is the one with the cheapest planned training step
+    at the example batch, at equal parameters; ``layer_config`` can set ``order``), ``"ttm"``,
+    ``"lowrank"`` (``W = U V``: fastest per row, least accurate at high compression), ``"btt"``
+    (block tensor-train: full rank, a rank gate), ``"monarch"`` (full rank, sized by its block
+    count), ``"auto"`` (with ``init="dense"`` and example inputs: the layers are sized in low
+    rank, then each Linear layer gets the format of least output error at that size, and the
+    summary says why; without inputs low rank) or None (from scratch ``"cola"``, or ``"tt"``
+    where the budget is below CoLA's rank-1 floor; ``"auto"`` for ``init="dense"`` with example
+    inputs; else ``"tt"``). A format you name is kept.
     ``init``: ``"random"`` (train from scratch, as CoMERA does) or ``"dense"`` (TT-SVD of
     the current weights, for pretrained models). A model built under
     ``torch.device("meta")`` takes ``init="random"``: cores are created on ``device`` and
@@ -276,7 +277,8 @@ class CompressionConfig:
     ever exists.
     ``max_rank``: a cap on every bond rank. ``include`` / ``exclude``: layer names or glob
     patterns to consider or leave dense. ``filter_fn(module, name)``: False leaves a layer
-    dense (runtime only: not saved). ``layer_config``: per-layer settings by name.
+    dense (runtime only: not saved). ``layer_config``: per-layer settings by name
+    (``format``, ``ranks``, modes, ``order``; ``blocks`` for a Monarch layer).
     ``objective``: the planner's cost (cotengra's ``"combo"``); ``autotune``: time the best
     few contraction orders of each layer on first use. ``fuse``: merge sibling Linear
     layers that read the same input (Q/K/V, gate/up) first, so they tensorize into one

@@ -18,9 +18,11 @@ from torch import nn
 from comera_compile.formats import (
     COLA,
     LOWRANK,
+    MONARCH,
     TT_EMBEDDING,
     chain_layout,
     lowrank_table_modes,
+    monarch_modes,
 )
 from comera_compile.passes.allocate import (
     MIN_COMPRESSION,
@@ -125,14 +127,22 @@ def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str,
         default_fmt = TT
     fmt = _format_for(cand, cfg.get("format"), default_fmt, cand.name)
     ranks = cfg.get("ranks", 1)
+    sized = "ranks" in cfg
     try:
+        if "blocks" in cfg:
+            if fmt != MONARCH:
+                raise ValueError(f"blocks= sets a Monarch layer's size; format {fmt!r} "
+                                 "takes ranks= instead")
+            in_modes, out_modes = monarch_modes(cand.in_features, cand.out_features,
+                                                cfg["blocks"])
+        sized = sized or (fmt == MONARCH and (in_modes or out_modes) is not None)
         chain = chain_layout(fmt, cand.in_features, cand.out_features, ranks, in_modes,
                              out_modes, cfg.get("order"))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"layer_config for '{cand.name}': {exc}") from None
     ins, outs = chain.first, chain.second
     option = Option(cand, fmt, tuple(ins), tuple(outs), 1, None, forced=True)
-    if "ranks" in cfg:
+    if sized:
         option.fixed = make_spec(cand, fmt, chain.ranks, ins, outs)
     return option
 
@@ -211,7 +221,7 @@ def eligible_options(
             ins, outs = auto_modes(cand, layer_fmt)
             option = Option(cand, layer_fmt, ins, outs, 1, None, forced=include is not None)
             smallest = make_spec(cand, layer_fmt, 1, ins, outs).params
-            if smallest * MIN_COMPRESSION > cand.dense_params:
+            if layer_fmt != MONARCH and smallest * MIN_COMPRESSION > cand.dense_params:
                 skipped[cand.name] = f"less than {MIN_COMPRESSION:g}x smaller even at rank 1"
                 continue
         if not explicit:

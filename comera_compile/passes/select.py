@@ -17,10 +17,14 @@ from dataclasses import dataclass, field
 
 from comera_compile.formats import (
     LOWRANK,
+    MONARCH,
     is_lowrank_table,
+    monarch_blocks_for,
+    monarch_modes,
 )
 from comera_compile.passes.allocate import (
     FILL,
+    MIN_COMPRESSION,
     LayerPlan,
     Ranks,
     allocate,
@@ -32,8 +36,10 @@ from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.eligible import DEFAULT_MAX_RANK, Option, dense_macs
 from comera_compile.passes.objectives import capacity_loss, error_loss
 from comera_compile.passes.specs import (
+    BLOCK_FORMATS,
     TT,
     LayerSpec,
+    make_spec,
 )
 from comera_compile.passes.spectra import layer_spectrum
 
@@ -94,7 +100,7 @@ def layer_plan(
     plan = LayerPlan(option.cand.name, dims, option.cand.dense_params, change, lambda r: 0.0,
                      per_bond=init == "dense", max_rank=max_rank, fixed=fixed,
                      forced=option.forced)
-    if init == "dense":
+    if init == "dense" and option.fmt not in BLOCK_FORMATS:  # block formats: no spectrum
         # whitened by the inputs' Gram, the spectrum's errors are already output errors
         spec = option.spec(1)
         weighs = spec.format in (TT, LOWRANK) or (
@@ -144,6 +150,7 @@ def select_layers(
         return Selection(chosen, skipped, cap, before, _totals_at(before, options, cap),
                          order_reasons=_order_reasons(options))
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
+    _size_monarch(options, skipped, before, limits)
     weights = output_weights or {}
     grams = grams or {}
     plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name))
@@ -184,6 +191,52 @@ def select_layers(
     felt = {o.cand.name: o.felt for o in options if o.felt is not None}
     return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons,
                      felt)
+
+
+def _size_monarch(options: list[Option], skipped: dict[str, str], before: dict,
+                  limits: dict[str, float]) -> None:
+    """Give each Monarch layer the user did not size its block count, in place: every one
+    keeps the same share ``f`` of its dense weight, the largest ``f`` with which the model
+    (other layers at their smallest) meets ``limits``. Monarch has no rank for the
+    allocator to grow, so its size is settled here and then held fixed."""
+    sized = [o for o in options if o.fmt == MONARCH and o.fixed is None]
+    if not sized:
+        return
+    others = [o for o in options if o not in sized]
+    base = {m: before[m] for m in limits}
+    for option in others:  # the rest at their cheapest (rank 1, or as the user fixed them)
+        for metric, change in option.delta(option.spec(1)).items():
+            if metric in base:
+                base[metric] += change
+
+    def specs_at(share: float) -> list[LayerSpec | None]:
+        out = []
+        for o in sized:
+            blocks = monarch_blocks_for(o.cand.in_features, o.cand.out_features,
+                                        share * o.cand.in_features * o.cand.out_features)
+            out.append(None if blocks is None else make_spec(
+                o.cand, MONARCH, 1, *monarch_modes(o.cand.in_features, o.cand.out_features,
+                                                   blocks)))
+        return out
+
+    def fits(specs: list[LayerSpec | None]) -> bool:
+        totals = dict(base)
+        for option, spec in zip(sized, specs):
+            if spec is not None:
+                for metric, change in option.delta(spec).items():
+                    if metric in totals:
+                        totals[metric] += change
+        return all(totals[m] <= cap for m, cap in limits.items())
+
+    lo, hi = 0.0, 1.0 / MIN_COMPRESSION
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(specs_at(mid)) else (lo, mid)
+    for option, spec in zip(sized, specs_at(lo)):
+        if spec is None:  # not even the most blocks fit: the budget check then says so
+            continue
+        option.in_modes, option.out_modes = spec.in_modes, spec.out_modes
+        option.fixed = spec
 
 
 def block_place(name: str) -> str:
