@@ -45,6 +45,7 @@ from comera_compile.passes import (
     summary,
     weigh_tables,
 )
+from comera_compile.passes.row_cache import CachePlan, plan_caches
 from comera_compile.planner import PlanReport
 
 __all__ = [
@@ -281,6 +282,15 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
                 raise
             continue
         layer_format = fmt
+        caches = plan_caches(selection.chosen, _example_ids(shapes), config.row_cache)
+        if caches.params:  # the caches' parameters come out of the budget: choose again
+            try:
+                selection = select_layers(options, skipped, budget, before, max_rank, init,
+                                          weights, grams, sensitivities,
+                                          reserve=caches.reserve(selection.chosen))
+            except BudgetUnreachable:
+                caches = CachePlan({}, {n: "no hot-row cache: the budget cannot spare it"
+                                        for n in caches.params})
         break
     if layer_format == AUTO and grams:
         configured = check_layer_config(layer_config)
@@ -291,6 +301,9 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
     rewrite(target, selection.chosen, init, device, grams)
     if on_meta(target):
         materialize(target, device)
+    for name, rows in caches.params.items():
+        if name in selection.chosen:
+            target.get_submodule(name).set_cache(rows, config.cache_warmup)
     for name in selection.chosen:
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective
@@ -307,6 +320,7 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         _returned(target, captured.graph_exact),
     )
     report.config = config.to_dict()
+    report.caches = {n: why for n, why in caches.reasons.items() if n in selection.chosen}
     attach_report(target, report)
     if compile_result:  # in place (nn.Module.compile), so the result stays the user's class
         from comera_compile.compile import compile_model  # imports inductor: on demand
@@ -314,6 +328,13 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
         compile_model(target, config.compile_options, inplace=True,
                       measure=compile_result is True)
     return target
+
+
+def _example_ids(shapes: Any) -> dict[str, torch.Tensor]:
+    """The ids each table looked up in the example forward, where they were real."""
+    if shapes is None:
+        return {}
+    return {name: s.ids for name, s in shapes.layers.items() if s.ids is not None}
 
 
 def default_format(init: str, has_examples: bool) -> str:
