@@ -26,7 +26,7 @@ def _cached_table(mode="sum", cached=(3, 4, 7, 9, 31), **kwargs) -> TTEmbedding:
             gate.uniform_(0.5, 1.5)
     layer.fill_cache(torch.tensor(cached))
     with torch.no_grad():  # trained cache rows: no longer the cores' rows
-        layer.cache_weight.add_(torch.randn_like(layer.cache_weight))
+        layer.cache.weight.add_(torch.randn_like(layer.cache.weight))
     return layer
 
 
@@ -41,13 +41,13 @@ def _pulled_back(layer: TTEmbedding, table_grad: torch.Tensor) -> list[torch.Ten
     ``to_dense`` (cached rows come from the cache, the others from the cores)."""
     layer.zero_grad()
     (layer.to_dense() * table_grad).sum().backward()
-    grads = [p.grad.clone() for p in [*layer.cores, *layer.gates, layer.cache_weight]]
+    grads = [p.grad.clone() for p in [*layer.cores, *layer.gates, layer.cache.weight]]
     layer.zero_grad()
     return grads
 
 
 def _grads(layer: TTEmbedding) -> list[torch.Tensor]:
-    cache = layer.cache_weight.grad
+    cache = layer.cache.weight.grad
     return [*(p.grad.clone() for p in [*layer.cores, *layer.gates]),
             cache.to_dense() if cache.is_sparse else cache.clone()]
 
@@ -66,7 +66,7 @@ def test_cached_bags_match_the_table_outputs_and_grads(mode, padding_idx, includ
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     (out * weight).sum().backward()
     (expected * weight).sum().backward()
-    assert layer.cache_weight.grad.is_sparse  # the table declared sparse=True
+    assert layer.cache.weight.grad.is_sparse  # the table declared sparse=True
     for got, want in zip(_grads(layer), _pulled_back(layer, dense.weight.grad), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
@@ -81,7 +81,7 @@ def test_cached_rows_fixed_bags_and_weights_match_the_table(mode):
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     out.pow(2).sum().backward()
     expected.pow(2).sum().backward()
-    assert not layer.cache_weight.grad.is_sparse  # sparse=False: a dense cache gradient
+    assert not layer.cache.weight.grad.is_sparse  # sparse=False: a dense cache gradient
     for got, want in zip(_grads(layer), _pulled_back(layer, twin.weight.grad), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
     if mode == "sum":  # per-sample weights over offsets
@@ -103,10 +103,10 @@ def test_a_freshly_filled_cache_changes_nothing_and_reads_no_core_for_a_hit():
     ids = torch.randint(0, 5000, (64, 2))
     cached.fill_cache(ids[:20].flatten())
     torch.testing.assert_close(cached(ids), plain(ids), rtol=1e-12, atol=1e-12)
-    hits = cached.cache_ids[cached.cache_ids != EMPTY][:6].view(3, 2)
+    hits = cached.cache.ids[cached.cache.ids != EMPTY][:6].view(3, 2)
     cached(hits).sum().backward()
     assert all(p.grad is None or not p.grad.any() for p in cached.cores)
-    assert cached.cache_weight.grad.abs().sum() > 0
+    assert cached.cache.weight.grad.abs().sum() > 0
 
 
 def test_fill_chooses_the_most_frequent_rows_once_and_warmup_counts_training_batches():
@@ -120,7 +120,7 @@ def test_fill_chooses_the_most_frequent_rows_once_and_warmup_counts_training_bat
     before = layer.lookup(torch.tensor([1, 2, 3, 4])).detach()
     layer(torch.tensor([[3], [2], [3], [4]]))
     assert layer.cache_filled
-    assert layer.cache_ids.tolist() == [1, 2, 3]  # 1: three times, 3: twice, 2: twice
+    assert layer.cache.ids.tolist() == [1, 2, 3]  # 1: three times, 3: twice, 2: twice
     torch.testing.assert_close(layer.lookup(torch.tensor([1, 2, 3, 4])), before)
     with pytest.raises(ValueError, match="set is fixed"):
         layer.fill_cache(torch.tensor([5]))
@@ -147,11 +147,11 @@ def test_sparse_cache_gradients_train_with_plain_optimizers(optimizer):
         o.zero_grad()
         loss.backward()
         if m is twin:
-            twin.cache_weight.grad = twin.cache_weight.grad.to_dense()
+            twin.cache.weight.grad = twin.cache.weight.grad.to_dense()
         o.step()
-    torch.testing.assert_close(layer.cache_weight, twin.cache_weight)
-    untouched = ~torch.isin(layer.cache_ids, ids.flatten())
-    torch.testing.assert_close(layer.cache_weight[untouched], twin.cache_weight[untouched])
+    torch.testing.assert_close(layer.cache.weight, twin.cache.weight)
+    untouched = ~torch.isin(layer.cache.ids, ids.flatten())
+    torch.testing.assert_close(layer.cache.weight[untouched], twin.cache.weight[untouched])
 
 
 CARDS = (40_000, 30_000, 40)
@@ -177,7 +177,7 @@ def test_the_budget_gives_a_cache_to_skewed_tables_and_none_to_uniform_ones():
     for name in ("tables.0", "tables.1"):
         table = skewed.get_submodule(name)
         assert table.cache_rows > 0
-        share = table.cache_weight.numel() / sum(p.numel() for p in table.parameters())
+        share = table.cache.weight.numel() / sum(p.numel() for p in table.parameters())
         assert 0.3 < share < 0.7
         assert "hot-row cache" in cc.summary(skewed).notes[name]
         assert uniform.get_submodule(name).cache_rows == 0
@@ -228,8 +228,8 @@ def test_compiled_cached_model_matches_eager():
     torch.testing.assert_close(compiled_out, eager_out, rtol=1e-5, atol=1e-6)
     F.binary_cross_entropy_with_logits(eager_out, labels).backward()
     F.binary_cross_entropy_with_logits(compiled_out, labels).backward()
-    got = compiled._orig_mod.tables[0].cache_weight.grad
-    want = model.tables[0].cache_weight.grad
+    got = compiled._orig_mod.tables[0].cache.weight.grad
+    want = model.tables[0].cache.weight.grad
     torch.testing.assert_close(got.to_dense(), want.to_dense(), rtol=1e-5, atol=1e-6)
 
 

@@ -21,7 +21,7 @@ Semantics, chosen so that no trained value is ever lost:
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 DEFAULT_WARMUP = 100
 """Training forward passes whose ids are counted before the cached set is fixed."""
@@ -58,6 +58,20 @@ def top_rows(ids: Tensor, counts: Tensor | None, capacity: int) -> Tensor:
     # stable descending sort: equal counts keep ascending id order
     order = torch.sort(totals, descending=True, stable=True).indices[:keep]
     return distinct.index_select(0, order).sort().values
+
+
+class RowCache(nn.Embedding):
+    """The cached rows (``weight``) and the ids they hold (``ids``, sorted, ``EMPTY`` first).
+
+    An ``nn.Embedding``, so that DDP, optimizers that split sparse from dense parameters and
+    anything else that knows sparse tables treat its gradient as a sparse table's.
+    """
+
+    def __init__(self, rows: int, dim: int, sparse: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__(rows, dim, sparse=sparse, dtype=dtype, device=device)
+        nn.init.zeros_(self.weight)
+        self.register_buffer("ids", torch.full((rows,), EMPTY, dtype=torch.long, device=device))
 
 
 class IdTally:

@@ -45,7 +45,14 @@ from comera_compile.formats import (
 from comera_compile.formats.whiten import TABLE_DAMPING, weighted_lowrank_table
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
-from comera_compile.nn.row_cache import DEFAULT_WARMUP, EMPTY, IdTally, split_by_cache, top_rows
+from comera_compile.nn.row_cache import (
+    DEFAULT_WARMUP,
+    EMPTY,
+    IdTally,
+    RowCache,
+    split_by_cache,
+    top_rows,
+)
 from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
 from comera_compile.planner.ops import planned_lookup
 
@@ -104,8 +111,7 @@ class TTEmbedding(TensorizedLayer):
         self.row_modes, self.col_modes = chain.first, chain.second
         self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
         self.include_last_offset, self.declared_sparse = bool(include_last_offset), bool(sparse)
-        self.register_parameter("cache_weight", None)
-        self.register_buffer("cache_ids", None)
+        self.cache: RowCache | None = None
         self.cache_rows, self._tally, self._cache_filled = 0, IdTally(), False
         self.set_cache(cache_rows, cache_warmup)
         _watch_sparse_adam()
@@ -150,25 +156,16 @@ class TTEmbedding(TensorizedLayer):
         self.cache_rows, self.cache_warmup = rows, warmup
         self._tally.clear()
         self._cache_filled = None if rows else False
-        if not rows:
-            self.cache_weight = None
-            self.cache_ids = None
-            return
         core = self.cores[0]
-        self.cache_weight = nn.Parameter(
-            torch.zeros(rows, self.embedding_dim, dtype=core.dtype, device=core.device))
-        self.cache_ids = torch.full((rows,), EMPTY, dtype=torch.long, device=core.device)
+        self.cache = RowCache(rows, self.embedding_dim, self.declared_sparse, core.dtype,
+                              core.device) if rows else None
 
     @property
     def cache_filled(self) -> bool:
         """Whether the cached set is chosen (it is then fixed)."""
         if self._cache_filled is None:
-            self._cache_filled = bool((self.cache_ids != EMPTY).any())
+            self._cache_filled = bool((self.cache.ids != EMPTY).any())
         return self._cache_filled
-
-    def sparse_parameters(self) -> list[nn.Parameter]:
-        """Parameters whose gradients are sparse (the cache of a ``sparse=True`` table)."""
-        return [self.cache_weight] if self.cache_weight is not None and self.declared_sparse else []
 
     @torch.no_grad()
     def fill_cache(self, ids: Tensor, counts: Tensor | None = None) -> Tensor:
@@ -181,7 +178,7 @@ class TTEmbedding(TensorizedLayer):
         if self.cache_filled:
             raise ValueError("the cache is already filled and its set is fixed (a cached row's "
                              "trained value would be lost); build a new layer to choose again")
-        ids = ids.to(self.cache_ids.device)
+        ids = ids.to(self.cache.ids.device)
         if ids.numel():
             self._check_ids(ids.reshape(-1).long(), True)
         chosen = top_rows(ids, None if counts is None else counts.to(ids.device),
@@ -192,11 +189,11 @@ class TTEmbedding(TensorizedLayer):
     @torch.no_grad()
     def _set_cached(self, chosen: Tensor) -> None:
         first = self.cache_rows - chosen.numel()  # empty slots first: the ids stay sorted
-        self.cache_ids.fill_(EMPTY)
-        self.cache_ids[first:] = chosen
-        self.cache_weight.zero_()
+        self.cache.ids.fill_(EMPTY)
+        self.cache.ids[first:] = chosen
+        self.cache.weight.zero_()
         if chosen.numel():
-            self.cache_weight[first:] = self._core_rows(chosen).to(self.cache_weight.dtype)
+            self.cache.weight[first:] = self._core_rows(chosen).to(self.cache.weight.dtype)
         self._cache_filled = bool(chosen.numel())
         self._tally.clear()
 
@@ -208,7 +205,7 @@ class TTEmbedding(TensorizedLayer):
             return
         chosen = top_rows(self._tally.ids, self._tally.counts, self.cache_rows)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            padded = torch.full_like(self.cache_ids, EMPTY)
+            padded = torch.full_like(self.cache.ids, EMPTY)
             padded[self.cache_rows - chosen.numel():] = chosen
             torch.distributed.broadcast(padded, src=0)
             chosen = padded[padded != EMPTY]
@@ -228,7 +225,7 @@ class TTEmbedding(TensorizedLayer):
     def lookup(self, ids: Tensor, cores_only: bool = False) -> Tensor:
         """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table
         (cached rows from the cache unless ``cores_only``)."""
-        if self.cache_weight is not None and not cores_only:
+        if self.cache is not None and not cores_only:
             table, order = self._rows(ids)
             return table.index_select(0, order)
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
@@ -242,10 +239,10 @@ class TTEmbedding(TensorizedLayer):
         """``(rows, order)``: the rows of the distinct ``ids``, and where each id's row sits
         in them (``None``: in ``ids`` order). A cached table puts its hits first, read from
         the cache, then its misses, built from the cores; no id reads both."""
-        if self.cache_weight is None:
+        if self.cache is None:
             return self._core_rows(ids).to(self.cores[0].dtype), None
-        slots, hits, misses = split_by_cache(self.cache_ids, ids)
-        cached = F.embedding(slots, self.cache_weight, sparse=self.declared_sparse)
+        slots, hits, misses = split_by_cache(self.cache.ids, ids)
+        cached = self.cache(slots)
         built = self._core_rows(ids.index_select(0, misses)).to(self.cores[0].dtype)
         order = torch.empty_like(ids)
         order[hits] = torch.arange(hits.numel(), device=ids.device)
@@ -260,7 +257,7 @@ class TTEmbedding(TensorizedLayer):
     ) -> Tensor:
         """Rows like ``nn.Embedding``, or pooled bags like ``nn.EmbeddingBag`` (2-d ``input``
         of fixed-size bags, or 1-d ``input`` with ``offsets``)."""
-        if self.cache_weight is not None:  # which ids hit is data: eager even when compiled
+        if self.cache is not None:  # which ids hit is data: eager even when compiled
             return _eager_forward(self, input, offsets, per_sample_weights)
         return self._forward(input, offsets, per_sample_weights)
 
@@ -274,7 +271,7 @@ class TTEmbedding(TensorizedLayer):
         flat = input.reshape(-1).long()
         eager = host_reads_allowed()
         self._check_ids(flat, eager)
-        if self.cache_weight is not None and self.training and self.cache_warmup and (
+        if self.cache is not None and self.training and self.cache_warmup and (
                 not self.cache_filled):
             self._count_warmup(flat)
         if self.dedup and eager:
@@ -356,9 +353,9 @@ class TTEmbedding(TensorizedLayer):
         """The ``(num_embeddings, embedding_dim)`` table (for export and tests only)."""
         full = ttm_to_dense(self.gated_cores(), self.row_modes, self.col_modes)
         table = full[: self.num_embeddings, : self.embedding_dim]
-        if self.cache_weight is not None:  # cached rows are the cache's
-            held = self.cache_ids != EMPTY
-            table = table.index_put((self.cache_ids[held],), self.cache_weight[held])
+        if self.cache is not None:  # cached rows are the cache's
+            held = self.cache.ids != EMPTY
+            table = table.index_put((self.cache.ids[held],), self.cache.weight[held])
         if self.padding_idx is not None:
             table = table.clone()
             table[self.padding_idx] = 0

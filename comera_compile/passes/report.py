@@ -283,9 +283,9 @@ def _notes(model: nn.Module, report: OptimizeReport | None = None) -> dict[str, 
 
 def _cache_state(layer: TTEmbedding) -> str:
     """``hot-row cache: 40,000 rows (640,000 params), 39,112 filled`` or its warm-up."""
-    size = f"hot-row cache: {layer.cache_rows:,} rows ({layer.cache_weight.numel():,} params)"
+    size = f"hot-row cache: {layer.cache_rows:,} rows ({layer.cache.weight.numel():,} params)"
     if layer.cache_filled:
-        held = int((layer.cache_ids >= 0).sum())
+        held = int((layer.cache.ids >= 0).sum())
         return f"{size}, {held:,} filled (fixed)"
     if layer.cache_warmup:
         return (f"{size}, empty: counting ids for {layer.cache_warmup} training batches "
