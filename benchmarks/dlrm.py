@@ -1,29 +1,37 @@
-"""DLRM on Criteo-Kaggle-sized tables: dense embedding bags against comera_compile.optimize.
+"""DLRM at 99x: dense sparse tables against TT tables, with and without the hot-row cache.
 
-Each row trains the same DLRM (bottom MLP 13-512-256-16, 26 embedding bags of dimension
-16, dot interaction, top MLP 367-512-256-1) for the same steps on the same synthetic
-click stream, in its own child process, and reports side by side:
+Each row trains the same DLRM (bottom MLP 13-512-256-16, embedding bags of dimension 16,
+dot interaction, top MLP -512-256-1) for the same steps of plain SGD on the same synthetic
+click stream (a planted signal: a hidden model of the ids and dense features), in its own
+child process, and reports side by side:
 
-- size: parameters of the trained model (the ratio is dense over this row);
+- size: parameters of the trained model, hot-row caches included (the ratio is dense over
+  this row);
 - peak memory: peak RSS during the training steps minus the RSS before the model was
   built (the peak is reset with /proc/self/clear_refs once the model is ready; the
-  compressed row builds its DLRM on the meta device, so no dense table ever exists there);
-- step time: median wall time of forward + backward + optimizer step (batches are made
-  outside the timer), and held-out log loss / AUC after the last step.
+  compressed rows build their DLRM on the meta device, so no dense table ever exists there);
+- step time: median wall time of forward + backward + optimizer step over the steps after
+  the caches' warm-up (the same steps for every row; batches are made outside the timer);
+- held-out log loss and AUC after the last step.
 
-Rows: ``dense`` is what real DLRMs do (``nn.EmbeddingBag(sparse=True)``, plain SGD, which
-takes sparse gradients and keeps no state); ``comera`` is ``optimize`` under a budget
-(TT embedding bags for the large tables, what the budget leaves dense stays dense) trained
-with Adagrad (fused over the dense gradients); ``torchrec`` is TorchRec's
-EmbeddingBagCollection when it is installed.
+Rows: ``dense`` is what real DLRMs do (``nn.EmbeddingBag(sparse=True)`` and SGD, which
+takes sparse gradients and keeps no state); ``tt`` is ``optimize(model, budget=Budget(
+ratio=99))`` with ``row_cache=0`` (TT embedding bags, no cache); ``tt+cache`` the same with
+``row_cache="auto"`` (a cache where the example ids are skewed enough to pay, none where they
+are close to uniform); ``tt+cache@S`` forces a cache of share S of each table (what a cache
+costs where it does not pay). The compressed rows train their cores at ``--core-lr`` and
+everything else (caches, MLPs, small tables) at the dense row's rate; the MLPs stay dense
+(``--exclude``), as in TT-Rec. Two id distributions:
+``power`` (rank k drawn with probability ~1/k, as Criteo's ids) and ``uniform``.
 
-    python benchmarks/dlrm.py                 # full Criteo Kaggle tables (2.2 GB dense), batch 2048
-    python benchmarks/dlrm.py --scale 0.01 --steps 100   # a quick look
+    python benchmarks/dlrm.py                       # the four largest Criteo Kaggle tables
+    python benchmarks/dlrm.py --tables all --scale 0.01 --steps 100   # 26 tables, a quick look
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -40,17 +48,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # dlr
 from dlrm_model import (  # noqa: E402
     CRITEO_KAGGLE_CARDINALITIES,
     DLRM,
-    Adagrad,
     SyntheticClicks,
     auc,
     log_loss,
 )
 
 import comera_compile as cc  # noqa: E402
+from benchmarks._results import write_results  # noqa: E402
 from comera_compile.cli.machine import describe_machine  # noqa: E402
 
-ROWS = ("dense", "comera", "torchrec")
 HELD_OUT_SEED = 10**9
+LARGEST_FOUR = sorted(CRITEO_KAGGLE_CARDINALITIES, reverse=True)[:4]
+TWO_SMALL = (1460, 583)  # Criteo Kaggle's first two tables
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformClicks(SyntheticClicks):
+    """The same hidden click model, with every id of a table equally likely."""
+
+    def ids(self, table: int, shape: tuple[int, ...], generator: torch.Generator):
+        return torch.randint(0, int(self.cardinalities[table]), shape, generator=generator)
+
+
+def _data(ids: str, cards: list[int]) -> SyntheticClicks:
+    return (SyntheticClicks if ids == "power" else UniformClicks)(cards)
 
 
 def _status_bytes(key: str) -> int:
@@ -66,51 +87,49 @@ def _reset_peak() -> None:
         f.write("5")  # VmHWM := VmRSS
 
 
-def _cardinalities(scale: float) -> list[int]:
-    return [max(2, round(n * scale)) for n in CRITEO_KAGGLE_CARDINALITIES]
+def _cardinalities(args: argparse.Namespace) -> list[int]:
+    base = LARGEST_FOUR + list(TWO_SMALL) if args.tables == "large4" else (
+        CRITEO_KAGGLE_CARDINALITIES)
+    return [max(2, round(n * args.scale)) for n in base]
 
 
-def _torchrec_missing() -> str | None:
-    """Why TorchRec cannot run here (None if it imports with its fbgemm kernels)."""
-    try:
-        import fbgemm_gpu  # noqa: F401
-        import torchrec  # noqa: F401
-    except Exception as exc:  # ImportError, or OSError from fbgemm's compiled kernels
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        return f"{type(exc).__name__}: {(lines[-1] if lines else '')[:300]}"
-    return None
+def _row_cache(row: str) -> float | str:
+    """``tt``: none; ``tt+cache``: the budget decides; ``tt+cache@0.5``: that share."""
+    if row == "tt":
+        return 0
+    return "auto" if row == "tt+cache" else float(row.split("@")[1])
 
 
-def run_row(row: str, args: argparse.Namespace) -> dict:
+def run_row(row: str, ids: str, args: argparse.Namespace) -> dict:
     """Train one row in this process and return its measurements."""
-    from tqdm import tqdm
-
     torch.manual_seed(0)
-    cards = _cardinalities(args.scale)
-    data = SyntheticClicks(cards, bag=args.bag)
+    cards = _cardinalities(args)
+    data = _data(ids, cards)
     held_dense, held_sparse, held_labels = data.batch(args.held_out, seed=HELD_OUT_SEED)
     with torch.device("meta"):
         dense_params = sum(p.numel() for p in DLRM(cards).parameters())
     before = _status_bytes("VmRSS")
+    summary = ""
     if row == "dense":
         model = DLRM(cards)
-        opt = torch.optim.SGD(model.parameters(), lr=args.dense_lr)
-    elif row == "comera":
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    else:
         with torch.device("meta"):  # the dense tables are never allocated
             model = DLRM(cards)
-        example = tuple(x.to("meta") for x in data.batch(64, seed=HELD_OUT_SEED + 1)[:2])
-        include = args.include.split(",") if args.include else None
-        exclude = args.exclude.split(",") if args.exclude else None
-        model = cc.optimize(model, cc.CompressionConfig(budget=args.budget, max_rank=args.max_rank,
-                                                        include=include, exclude=exclude),
-                            example_inputs=example, compile=False, inplace=True)
-        opt = Adagrad(model, lr=args.comera_lr)
-    else:
-        raise ValueError(f"unknown row {row!r}")
+        # real ids (the caches measure their distribution), dense features on meta
+        dense, sparse, _ = data.batch(args.example, seed=HELD_OUT_SEED + 1)
+        config = cc.CompressionConfig(
+            budget=cc.Budget(ratio=args.ratio), compile=False, row_cache=_row_cache(row),
+            cache_warmup=args.warmup, exclude=args.exclude.split(",") if args.exclude else None)
+        model = cc.optimize(model, config, example_inputs=(dense.to("meta"), sparse),
+                            inplace=True)
+        opt = torch.optim.SGD(cc.training.param_groups(model, lr=args.lr,
+                                                       lr_cores=args.core_lr), lr=args.lr)
+    _scale_tables(model, args.table_std)
     params = sum(p.numel() for p in model.parameters())
     _reset_peak()
-    times = []
-    for step in tqdm(range(args.steps), desc=row, file=sys.stderr, mininterval=5):
+    times, losses = [], []
+    for step in range(args.steps):
         dense, sparse, labels = data.batch(args.batch, seed=step)
         start = time.perf_counter()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), labels)
@@ -118,106 +137,158 @@ def run_row(row: str, args: argparse.Namespace) -> dict:
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
     peak = _status_bytes("VmHWM") - before
+    if row != "dense":
+        summary = str(cc.summary(model))
+    model.eval()
     with torch.no_grad():
         logits = torch.cat([
             model(held_dense[i : i + 4096], held_sparse[:, i : i + 4096])
             for i in range(0, args.held_out, 4096)
         ])
+    tables = [t for t in model.tables if isinstance(t, cc.TTEmbedding)]
+    hits = _hit_rate(tables, held_sparse, model)
     return {
-        "row": row,
-        "dense_params": dense_params,
-        "params": params,
-        "peak_bytes": peak,
-        "step_s": statistics.median(times[min(5, len(times) - 1):]),
-        "log_loss": log_loss(logits, held_labels),
-        "auc": auc(logits, held_labels),
-        "summary": str(cc.summary(model)) if row == "comera" else "",
+        "row": row, "ids": ids, "dense_params": dense_params, "params": params,
+        "cache_params": sum(t.cache.weight.numel() for t in tables if t.cache is not None),
+        "peak_bytes": peak, "step_s": statistics.median(times[args.warmup + 5:]),
+        "log_loss": log_loss(logits, held_labels), "auc": auc(logits, held_labels),
+        "train_loss": statistics.mean(losses[-20:]), "hit_rate": hits, "summary": summary,
     }
 
 
-def _child(row: str, argv: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--child", row, *argv]
+@torch.no_grad()
+def _scale_tables(model, std: float) -> None:
+    """Start every table's rows at ``std`` per entry, dense or TT (nn.EmbeddingBag's N(0, 1)
+    makes the dot interactions so large that SGD learns nothing of the planted signal)."""
+    for table in model.tables:
+        if isinstance(table, cc.TTEmbedding):
+            table.cores[-1].mul_(std)  # rows are linear in the last core; caches fill later
+        else:
+            table.weight.mul_(std)
+
+
+def _hit_rate(tables: list, held_sparse: torch.Tensor, model) -> float | None:
+    """Share of held-out lookups of the TT tables that their caches serve."""
+    cached = [(i, t) for i, t in enumerate(model.tables) if getattr(t, "cache", None) is not None]
+    if not cached:
+        return None
+    served = sum(float(torch.isin(held_sparse[i], t.cache.ids).sum()) for i, t in cached)
+    return served / sum(held_sparse[i].numel() for i, _ in cached)
+
+
+def _child(row: str, ids: str, argv: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--child", f"{row}:{ids}", *argv]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        return {"row": row, "error": f"exit status {done.returncode}"}
+        return {"row": row, "ids": ids, "error": f"exit status {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _table(results: list[dict]) -> list[str]:
+    """Markdown rows, each compared with the dense row of its id distribution."""
+    lines = ["| ids | row | params | smaller | cache params | cache hits | peak MiB | less memory "
+             "| step ms | step vs dense | held-out log loss | vs dense | AUC |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['ids']} | {r['row']} | failed: {r['error']} |")
+            continue
+        dense = next((d for d in results if d["row"] == "dense" and d["ids"] == r["ids"]
+                      and "error" not in d), None)
+        mem = dense["peak_bytes"] / r["peak_bytes"] if dense else math.nan
+        step = r["step_s"] / dense["step_s"] if dense else math.nan
+        rel = (r["log_loss"] / dense["log_loss"] - 1) * 100 if dense else math.nan
+        hits = "" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
+        lines.append(
+            f"| {r['ids']} | {r['row']} | {r['params']:,} | {r['dense_params'] / r['params']:.1f}x "
+            f"| {r['cache_params']:,} | {hits} | {r['peak_bytes'] / 2**20:,.0f} | {mem:.1f}x "
+            f"| {r['step_s'] * 1e3:.1f} | {step:.2f}x | {r['log_loss']:.4f} | {rel:+.2f}% "
+            f"| {r['auc']:.4f} |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", choices=("large4", "all"), default="large4",
+                        help="large4: the four largest Criteo Kaggle tables plus two small "
+                        "ones; all: the 26 tables")
     parser.add_argument("--scale", type=float, default=1.0, help="table rows x this factor")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=2048,
-                        help="samples per step (at 512 the TT lookups' fixed cost per call shows)")
-    parser.add_argument("--bag", type=int, default=1, help="ids per bag (1: one-hot)")
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--warmup", type=int, default=40,
+                        help="steps whose ids the caches count before their rows are fixed; "
+                        "the step time is the median of the steps after warmup + 5")
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--example", type=int, default=4096, help="samples in example_inputs")
     parser.add_argument("--held-out", type=int, default=16384)
-    parser.add_argument("--budget", default="100x")
-    parser.add_argument("--dense-lr", type=float, default=1.0)  # best of 0.2, 1.0
-    parser.add_argument("--comera-lr", type=float, default=0.03)  # .1 diverges at batch 2048
-    parser.add_argument("--max-rank", type=int, default=None, help="cap on the TT ranks")
-    parser.add_argument("--include", default="", help="layers to tensorize (name patterns, "
-                        "comma-separated; default: what the budget picks)")
-    parser.add_argument("--exclude", default="", help="layers to keep dense (name patterns)")
-    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--ratio", type=float, default=99)
+    parser.add_argument("--lr", type=float, default=0.3, help="SGD rate: dense tables, MLPs, "
+                        "caches")
+    parser.add_argument("--core-lr", type=float, default=0.05, help="SGD rate of the TT cores")
+    parser.add_argument("--table-std", type=float, default=0.1,
+                        help="initial scale of every table's entries (dense and TT alike)")
+    parser.add_argument("--exclude", default="bottom.*,top.*",
+                        help="layers to keep dense (name patterns; default the MLPs, as TT-Rec "
+                        "compresses the tables only)")
+    parser.add_argument("--ids", default="power,uniform")
+    parser.add_argument("--rows", default="dense,tt,tt+cache",
+                        help="rows for every id distribution (dense, tt, tt+cache, tt+cache@S)")
+    parser.add_argument("--uniform-extra", default="tt+cache@0.5",
+                        help="extra rows for uniform ids (what a forced cache costs there)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per row (1: steadier on a shared machine)")
-    parser.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)
+    parser.add_argument("--no-results", action="store_true", help="do not write results/")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(run_row(args.child, args)))
+        row, ids = args.child.split(":")
+        print(json.dumps(run_row(row, ids, args)))
         return
-    argv = sys.argv[1:]
-    print(describe_machine())
-    cards = _cardinalities(args.scale)
-    rows_total = sum(cards)
-    size = "full Criteo Kaggle tables" if args.scale == 1 else f"tables scaled x{args.scale:g}"
-    print(
-        f"DLRM: 26 bags x dim 16, {rows_total:,} rows ({size}; dense tables "
-        f"{rows_total * 16 * 4 / 2**30:.2f} GiB), batch {args.batch}, {args.steps} steps, "
-        f"{args.bag} id(s) per bag, held-out {args.held_out:,}"
-    )
-    data = SyntheticClicks(cards, bag=args.bag)
-    hd, hs, hl = data.batch(args.held_out, seed=HELD_OUT_SEED)
-    best = data.logit(hd, hs)
-    print(
-        f"held-out: {hl.mean():.3f} clicks; hidden model itself: log loss "
-        f"{log_loss(best, hl):.4f}, AUC {auc(best, hl):.4f}; constant CTR: log loss "
-        f"{log_loss(torch.full_like(hl, math.log(hl.mean() / (1 - hl.mean()))), hl):.4f}"
-    )
-    print("peak MiB: peak RSS during the steps minus RSS before building the model (the peak is "
-          "reset once the model is ready); step: median ms, batches made outside the timer")
+    argv = [a for a in sys.argv[1:]]
+    cards = _cardinalities(args)
+    size = ("the four largest Criteo Kaggle tables plus two small ones" if args.tables == "large4"
+            else "the 26 Criteo Kaggle tables")
+    if args.scale != 1:
+        size += f", scaled x{args.scale:g}"
+    intro = [
+        describe_machine(),
+        f"DLRM: {len(cards)} bags x dim 16, {sum(cards):,} rows ({size}; dense tables "
+        f"{sum(cards) * 16 * 4 / 2**30:.2f} GiB), batch {args.batch}, {args.steps} SGD steps, "
+        f"step time over steps {args.warmup + 5}-{args.steps} (the caches fill after "
+        f"{args.warmup}), held-out {args.held_out:,}, {args.threads} thread(s), one process "
+        f"per row; SGD at {args.lr:g} (TT cores {args.core_lr:g}), tables start at std "
+        f"{args.table_std:g}",
+    ]
+    for ids in args.ids.split(","):
+        data = _data(ids, cards)
+        hd, hs, hl = data.batch(args.held_out, seed=HELD_OUT_SEED)
+        best, ctr = data.logit(hd, hs), hl.mean()
+        intro.append(
+            f"{ids} ids: hidden model's own held-out log loss {log_loss(best, hl):.4f} "
+            f"(AUC {auc(best, hl):.4f}); constant CTR "
+            f"{log_loss(torch.full_like(hl, math.log(ctr / (1 - ctr))), hl):.4f}")
+    print("\n".join(intro), flush=True)
     results = []
-    for row in args.rows.split(","):
-        if row == "torchrec":
-            why = _torchrec_missing()
-            if why is not None:
-                print(f"torchrec: skipped, it does not import here ({why})")
-                continue
-            print("torchrec: imports, but its row is not written yet (no working install to "
-                  "develop it against)")
-            continue
-        results.append(_child(row, argv))
-    for r in results:
-        if r.get("summary"):
-            print(f"{r['row']} layers (optimize(model, {args.budget!r})):\n{r['summary']}")
-    dense = next((r for r in results if r["row"] == "dense" and "error" not in r), None)
-    header = (f"{'row':<8} {'params':>12} {'smaller':>8} {'peak MiB':>9} {'less mem':>9} "
-              f"{'step ms':>8} {'log loss':>9} {'vs dense':>9} {'AUC':>7}")
-    print(header)
-    for r in results:
-        if "error" in r:
-            print(f"{r['row']:<8} failed: {r['error']}")
-            continue
-        ratio = r["dense_params"] / r["params"]
-        mem = dense["peak_bytes"] / r["peak_bytes"] if dense else float("nan")
-        rel = (r["log_loss"] / dense["log_loss"] - 1) * 100 if dense else float("nan")
-        print(
-            f"{r['row']:<8} {r['params']:>12,} {ratio:>7.1f}x {r['peak_bytes'] / 2**20:>9.0f} "
-            f"{mem:>8.1f}x {r['step_s'] * 1e3:>8.1f} {r['log_loss']:>9.4f} {rel:>+8.2f}% "
-            f"{r['auc']:>7.4f}"
-        )
+    for ids in args.ids.split(","):
+        rows = args.rows.split(",")
+        if ids == "uniform" and args.uniform_extra:
+            rows += args.uniform_extra.split(",")
+        for row in rows:
+            results.append(_child(row, ids, argv))
+            print("\n".join(_table(results[-1:])[2:]), flush=True)
+    layers = [f"{r['row']} ({r['ids']} ids):\n{r['summary']}" for r in results
+              if r.get("summary") and r["row"] != "tt"]
+    table = _table(results)
+    print("\n".join(table))
+    print("\n\n".join(layers))
+    if not args.no_results:
+        body = "\n".join(f"- {line}" for line in intro[1:]) + "\n\n" + "\n".join(table)
+        body += "\n\n<details><summary>layers of the cached rows</summary>\n\n```\n"
+        body += "\n\n".join(layers) + "\n```\n</details>\n"
+        write_results("dlrm", "DLRM at 99x: dense sparse tables, TT tables, TT tables with "
+                      "the hot-row cache", body)
 
 
 if __name__ == "__main__":

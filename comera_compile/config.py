@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from comera_compile.formats import positive_int
+from comera_compile.nn.row_cache import DEFAULT_WARMUP
 from comera_compile.passes import Budget, check_format, check_init, parse_budget
 from comera_compile.passes.choose import AUTO
 from comera_compile.passes.report import report_of
@@ -291,6 +292,11 @@ class CompressionConfig:
     inference steps timed compiled against eager and the faster kept, so compiling never
     leaves a model slower, ``compile.policy.measured``; ``"always"``: compiled at once,
     without timing; ``False``: eager).
+    ``row_cache``: the share of a recommender table's parameters (a bag or a ``sparse=True``
+    table) spent on a hot-row cache (``passes.row_cache``): ``"auto"`` gives one where the
+    example ids are skewed enough to pay and none where they are close to uniform, a number
+    in ``[0, 1)`` that share to every such table (0: none). ``cache_warmup``: training
+    batches whose ids are counted before each cache's rows are chosen and fixed.
     """
 
     budget: float | int | str | Budget | None = None
@@ -308,9 +314,19 @@ class CompressionConfig:
     device: str = "cpu"
     compile: bool | str = True
     compile_options: CompileOptions = field(default_factory=CompileOptions)
+    row_cache: float | str = "auto"
+    cache_warmup: int = DEFAULT_WARMUP
 
     def __post_init__(self) -> None:
         check_init(self.init)
+        if self.row_cache != "auto" and (
+                isinstance(self.row_cache, bool) or not isinstance(self.row_cache, (int, float))
+                or not 0 <= self.row_cache < 1):
+            raise ValueError(f"row_cache must be 'auto' or a share in [0, 1), got "
+                             f"{self.row_cache!r}")
+        if (isinstance(self.cache_warmup, bool) or not isinstance(self.cache_warmup, int)
+                or self.cache_warmup < 0):
+            raise ValueError(f"cache_warmup must be a non-negative int, got {self.cache_warmup!r}")
         if self.format not in (None, AUTO):
             check_format(self.format)
         if self.max_rank is not None:

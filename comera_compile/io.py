@@ -556,6 +556,7 @@ def _layer_of(layout: dict[str, Any]) -> TensorizedLayer:
         return TTEmbedding(
             layout["num_embeddings"], layout["embedding_dim"], ranks=ranks,
             row_modes=layout["row_modes"], col_modes=layout["col_modes"],
+            cache_rows=layout.get("cache_rows", 0),
         )
     cls = LINEAR_CLASSES[layout["format"]]
     return cls(layout["in_features"], layout["out_features"], ranks=ranks,

@@ -98,6 +98,9 @@ class Adagrad:
             for m in model.modules()
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
         }
+        sparse |= {  # a TT table's hot-row cache
+            id(p) for m in model.modules() for p in getattr(m, "sparse_parameters", list)()
+        }
         params = [p for p in model.parameters() if p.requires_grad]
         self.densified = [p for p in params if id(p) in sparse and p.numel() <= self.SMALL_TABLE]
         small = {id(p) for p in self.densified}

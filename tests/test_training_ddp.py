@@ -84,3 +84,89 @@ def test_two_process_ddp_with_pruning_equals_one_process_on_the_whole_batch(tmp_
             continue
         assert torch.equal(ranks[0]["state"][name], ranks[1]["state"][name]), name
         torch.testing.assert_close(ranks[0]["state"][name], value, rtol=0, atol=1e-5)
+
+
+CACHE_CARDS = (5000, 3000, 20)
+
+
+def cached_dlrm():
+    """A small DLRM whose two large tables carry filled hot-row caches (sparse gradients)."""
+    from dlrm_model import DLRM, SyntheticClicks
+
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    data = SyntheticClicks(CACHE_CARDS)
+    config = cc.CompressionConfig(budget="10x", compile=False, row_cache=0.5, cache_warmup=0)
+    model = cc.optimize(DLRM(CACHE_CARDS, bottom=(16,), top=(16,)), config,
+                        example_inputs=data.batch(64, seed=0)[:2]).double()
+    sample = data.batch(512, seed=1)[1]
+    for i in (0, 1):
+        model.tables[i].fill_cache(sample[i])
+    return model, data
+
+
+def cache_train(forward, params, batches):
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(params, lr=0.1)
+    for dense, sparse, labels in batches:
+        loss = F.binary_cross_entropy_with_logits(forward(dense.double(), sparse), labels.double())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def cache_batches(data, rank=None):
+    batches = [data.batch(64, seed=10 + s) for s in range(4)]
+    if rank is None:
+        return batches
+    half = slice(rank * 32, (rank + 1) * 32)
+    return [(d[half], s[:, half], y[half]) for d, s, y in batches]
+
+
+def _cache_worker(rank, path):
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}/store", rank=rank, world_size=WORLD)
+    try:
+        model, data = cached_dlrm()
+        ddp = DistributedDataParallel(model)
+        cache_train(ddp, model.parameters(), cache_batches(data, rank))
+        # counting during training: each rank sees other ids, all take rank 0's set
+        from comera_compile.nn import TTEmbedding
+
+        torch.manual_seed(0)
+        warm = TTEmbedding(CACHE_CARDS[0], 16, ranks=4, mode="sum", cache_rows=64, cache_warmup=2)
+        for step in range(2):
+            warm(data.batch(32, seed=100 * rank + step)[1][0])
+        torch.save({"state": model.state_dict(), "warm_ids": warm.cache.ids.clone()},
+                   f"{path}/rank{rank}.pt")
+        del ddp
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_with_hot_row_caches_equals_one_process_on_the_whole_batch(tmp_path):
+    """Sparse cache gradients all-reduced by DDP: two ranks on half batches end where one
+    process on the whole batches does; a cache filled by counting takes rank 0's set on
+    every rank."""
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    mp.spawn(_cache_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    torch.set_num_threads(1)
+    single, data = cached_dlrm()
+    cache_train(single, single.parameters(), cache_batches(data))
+    expected = single.state_dict()
+    assert single.tables[0].cache.weight.numel() > 0
+    for name, value in expected.items():
+        if not torch.is_tensor(value) or name.endswith("_extra_state"):
+            continue
+        torch.testing.assert_close(ranks[0]["state"][name], value, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(ranks[1]["state"][name], value, rtol=1e-9, atol=1e-10)
+    assert torch.equal(ranks[0]["warm_ids"], ranks[1]["warm_ids"])
+    assert int((ranks[0]["warm_ids"] >= 0).sum()) > 0

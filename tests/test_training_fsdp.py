@@ -304,3 +304,68 @@ def test_a_rank_failing_mid_prune_is_an_error_on_the_others_not_a_hang(tmp_path)
     assert "sharded prune failed on rank 0 in FSDP group 'model.layers.1'" in ranks[0]["error"]
     assert "timed out" in ranks[0]["error"].lower()
     assert "timed out waiting 5000ms" in ranks[0]["error"].lower()  # the group's timeout
+
+
+CACHE_CARDS = (5000, 3000, 20)
+
+
+def cached_dlrm(fill=True):
+    """A small DLRM (dense-gradient tables, as FSDP needs) with filled hot-row caches."""
+    from dlrm_model import DLRM, SyntheticClicks
+
+    torch.manual_seed(0)
+    data = SyntheticClicks(CACHE_CARDS)
+    config = cc.CompressionConfig(budget="10x", compile=False, row_cache=0.5, cache_warmup=5)
+    model = cc.optimize(DLRM(CACHE_CARDS, bottom=(16,), top=(16,), sparse=False), config,
+                        example_inputs=data.batch(64, seed=0)[:2]).double()
+    sample = data.batch(512, seed=1)[1]
+    for i in (0, 1) if fill else ():
+        model.tables[i].fill_cache(sample[i])
+    return model, data
+
+
+def cache_run(model, data, rank=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(4):
+        dense, sparse, labels = data.batch(64, seed=10 + s)
+        if rank is not None:
+            half = slice(rank * 32, (rank + 1) * 32)
+            dense, sparse, labels = dense[half], sparse[:, half], labels[half]
+        out = model(dense.double(), sparse)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(out, labels.double())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _cache_worker(rank, path):
+    _init(rank, path)
+    try:
+        model, data = cached_dlrm()
+        model = shard(model)
+        cache_run(model, data, rank)
+        torch.save({"state": full_state_dict(model, cpu_offload=False)}, f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_with_hot_row_caches_equals_one_process_on_the_whole_batch(tmp_path):
+    ranks = _spawn(_cache_worker, tmp_path)
+    torch.set_num_threads(1)
+    single, data = cached_dlrm()
+    cache_run(single, data)
+    expected = single.state_dict()
+    assert any(".cache.weight" in name for name in expected)
+    for got in ranks:
+        for name, value in expected.items():
+            if name.endswith("_extra_state"):
+                continue
+            torch.testing.assert_close(got["state"][name].cpu(), value, rtol=1e-9, atol=1e-10,
+                                       msg=name)
+
+
+def test_shard_refuses_a_cache_not_yet_filled():
+    model, _ = cached_dlrm(fill=False)
+    with pytest.raises(ValueError, match="fill it before shard"):
+        shard(model)

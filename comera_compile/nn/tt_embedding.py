@@ -13,6 +13,13 @@ Recommenders declare their tables ``sparse=True`` so that only the touched rows 
 gradient. A TT table needs no such thing: its gradient is the cores' gradient, small and
 dense, which SGD, Adagrad and Adam take as they are. ``torch.optim.SparseAdam`` only takes
 sparse gradients, so it gets an error that says to use one of those instead.
+
+``cache_rows`` adds TT-Rec's hot-row cache (``nn.row_cache``): the most frequent rows as a
+small dense table, trained with sparse gradients when the table declared ``sparse=True``
+(``torch.optim.SGD`` and ``torch.optim.Adagrad`` take them), dense ones otherwise (what
+FSDP needs). Its rows are chosen once, from the ids of the first ``cache_warmup`` training
+batches or by ``fill_cache``, and stay fixed. A table with a cache runs eagerly inside a
+compiled model: which ids hit is data, so the lookup is a graph break there.
 """
 
 from __future__ import annotations
@@ -38,6 +45,14 @@ from comera_compile.formats import (
 from comera_compile.formats.whiten import TABLE_DAMPING, weighted_lowrank_table
 from comera_compile.nn.base import TensorizedLayer
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
+from comera_compile.nn.row_cache import (
+    DEFAULT_WARMUP,
+    EMPTY,
+    IdTally,
+    RowCache,
+    split_by_cache,
+    top_rows,
+)
 from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
 from comera_compile.planner.ops import planned_lookup
 
@@ -74,6 +89,8 @@ class TTEmbedding(TensorizedLayer):
         threshold: float = DEFAULT_THRESHOLD,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        cache_rows: int = 0,
+        cache_warmup: int = DEFAULT_WARMUP,
     ) -> None:
         chain = chain_layout(
             self.format, num_embeddings, embedding_dim, ranks, row_modes, col_modes, order
@@ -94,6 +111,9 @@ class TTEmbedding(TensorizedLayer):
         self.row_modes, self.col_modes = chain.first, chain.second
         self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
         self.include_last_offset, self.declared_sparse = bool(include_last_offset), bool(sparse)
+        self.cache: RowCache | None = None
+        self.cache_rows, self._tally, self._cache_filled = 0, IdTally(), False
+        self.set_cache(cache_rows, cache_warmup)
         _watch_sparse_adam()
 
     @property
@@ -110,13 +130,86 @@ class TTEmbedding(TensorizedLayer):
         return lookup_fan_ins(self.ranks)
 
     def layout(self) -> dict:
+        extra = {"cache_rows": self.cache_rows} if self.cache_rows else {}
         return {
             **super().layout(),
             "num_embeddings": self.num_embeddings,
             "embedding_dim": self.embedding_dim,
             "row_modes": list(self.row_modes),
             "col_modes": list(self.col_modes),
+            **extra,
         }
+
+    # ----- hot-row cache ------------------------------------------------------------------
+    def set_cache(self, rows: int, warmup: int = DEFAULT_WARMUP) -> None:
+        """Give the table an empty hot-row cache of ``rows`` rows (0: none), filled after
+        ``warmup`` training batches (0: only by ``fill_cache``). Refused once filled."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"cache_rows must be a non-negative int, got {rows!r}")
+        if rows > self.num_embeddings:
+            raise ValueError(f"cache_rows ({rows}) exceeds the table's {self.num_embeddings} "
+                             "rows; pass at most num_embeddings")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"cache_warmup must be a non-negative int, got {warmup!r}")
+        if self.cache_rows and self.cache_filled:
+            raise ValueError("the cache is filled and its set is fixed; build a new layer")
+        self.cache_rows, self.cache_warmup = rows, warmup
+        self._tally.clear()
+        self._cache_filled = None if rows else False
+        core = self.cores[0]
+        self.cache = RowCache(rows, self.embedding_dim, self.declared_sparse, core.dtype,
+                              core.device) if rows else None
+
+    @property
+    def cache_filled(self) -> bool:
+        """Whether the cached set is chosen (it is then fixed)."""
+        if self._cache_filled is None:
+            self._cache_filled = bool((self.cache.ids != EMPTY).any())
+        return self._cache_filled
+
+    @torch.no_grad()
+    def fill_cache(self, ids: Tensor, counts: Tensor | None = None) -> Tensor:
+        """Cache the ``cache_rows`` most frequent of ``ids`` (each counted once per
+        occurrence, or by ``counts``), each starting as the cores' row; returns the cached
+        ids. The set is fixed from then on: a cached row is a free parameter the cores
+        cannot take back, so a second fill is refused rather than lose trained rows."""
+        if not self.cache_rows:
+            raise ValueError("this table has no cache; build it with cache_rows > 0")
+        if self.cache_filled:
+            raise ValueError("the cache is already filled and its set is fixed (a cached row's "
+                             "trained value would be lost); build a new layer to choose again")
+        ids = ids.to(self.cache.ids.device)
+        if ids.numel():
+            self._check_ids(ids.reshape(-1).long(), True)
+        chosen = top_rows(ids, None if counts is None else counts.to(ids.device),
+                          self.cache_rows)
+        self._set_cached(chosen)
+        return chosen
+
+    @torch.no_grad()
+    def _set_cached(self, chosen: Tensor) -> None:
+        first = self.cache_rows - chosen.numel()  # empty slots first: the ids stay sorted
+        self.cache.ids.fill_(EMPTY)
+        self.cache.ids[first:] = chosen
+        self.cache.weight.zero_()
+        if chosen.numel():
+            self.cache.weight[first:] = self._core_rows(chosen).to(self.cache.weight.dtype)
+        self._cache_filled = bool(chosen.numel())
+        self._tally.clear()
+
+    def _count_warmup(self, ids: Tensor) -> None:
+        """Count a training batch's ids; after ``cache_warmup`` batches fix the cached set
+        (under DDP every rank takes rank 0's set, so a slot means one row everywhere)."""
+        self._tally.add(ids)
+        if self._tally.calls < self.cache_warmup:
+            return
+        chosen = top_rows(self._tally.ids, self._tally.counts, self.cache_rows)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            padded = torch.full_like(self.cache.ids, EMPTY)
+            padded[self.cache_rows - chosen.numel():] = chosen
+            torch.distributed.broadcast(padded, src=0)
+            chosen = padded[padded != EMPTY]
+        self._set_cached(chosen)
 
     def _new_plan(self, bucket: int, dtype: torch.dtype, device_type: str) -> EmbeddingPlan:
         """Which bond to split the chain at for ``bucket`` ids (dtype-independent)."""
@@ -125,14 +218,36 @@ class TTEmbedding(TensorizedLayer):
     def dense_macs(self, rows: int) -> int:
         return rows * self.embedding_dim  # the dense baseline copies one row per id
 
-    def lookup(self, ids: Tensor) -> Tensor:
-        """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table."""
+    def _core_rows(self, ids: Tensor) -> Tensor:
+        """Rows ``(len(ids), embedding_dim)`` built from the cores (the cache not read)."""
+        return self.lookup(ids, cores_only=True)
+
+    def lookup(self, ids: Tensor, cores_only: bool = False) -> Tensor:
+        """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table
+        (cached rows from the cache unless ``cores_only``)."""
+        if self.cache is not None and not cores_only:
+            table, order = self._rows(ids)
+            return table.index_select(0, order)
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
         gates = [hard_threshold(g, self.threshold) for g in self.gates]
         rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates)
         return rows[:, : self.embedding_dim]
+
+    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``(rows, order)``: the rows of the distinct ``ids``, and where each id's row sits
+        in them (``None``: in ``ids`` order). A cached table puts its hits first, read from
+        the cache, then its misses, built from the cores; no id reads both."""
+        if self.cache is None:
+            return self._core_rows(ids).to(self.cores[0].dtype), None
+        slots, hits, misses = split_by_cache(self.cache.ids, ids)
+        cached = self.cache(slots)
+        built = self._core_rows(ids.index_select(0, misses)).to(self.cores[0].dtype)
+        order = torch.empty_like(ids)
+        order[hits] = torch.arange(hits.numel(), device=ids.device)
+        order[misses] = torch.arange(hits.numel(), ids.numel(), device=ids.device)
+        return torch.cat([cached.to(built.dtype), built]), order
 
     def forward(
         self,
@@ -142,6 +257,13 @@ class TTEmbedding(TensorizedLayer):
     ) -> Tensor:
         """Rows like ``nn.Embedding``, or pooled bags like ``nn.EmbeddingBag`` (2-d ``input``
         of fixed-size bags, or 1-d ``input`` with ``offsets``)."""
+        if self.cache is not None:  # which ids hit is data: eager even when compiled
+            return _eager_forward(self, input, offsets, per_sample_weights)
+        return self._forward(input, offsets, per_sample_weights)
+
+    def _forward(
+        self, input: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None
+    ) -> Tensor:
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"TTEmbedding expects integer ids, got {input.dtype}")
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
@@ -149,6 +271,9 @@ class TTEmbedding(TensorizedLayer):
         flat = input.reshape(-1).long()
         eager = host_reads_allowed()
         self._check_ids(flat, eager)
+        if self.cache is not None and self.training and self.cache_warmup and (
+                not self.cache_filled):
+            self._count_warmup(flat)
         if self.dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
         elif self.dedup and isinstance(flat.numel(), int) and self.num_embeddings <= flat.numel():
@@ -158,7 +283,9 @@ class TTEmbedding(TensorizedLayer):
             ids, index = torch.arange(self.num_embeddings, device=flat.device), flat
         else:
             ids, index = flat, None  # each id's own row, in order
-        table = self.lookup(ids).to(self.cores[0].dtype)  # as nn.Embedding, even in autocast
+        table, order = self._rows(ids)  # in the cores' dtype, as nn.Embedding in autocast
+        if order is not None:  # a cached table's rows come hits first
+            index = order if index is None else order.index_select(0, index)
         if index is None:
             if self.mode is None:
                 # the rows are the output: no gather, and no index of the ids' count, whose
@@ -202,6 +329,10 @@ class TTEmbedding(TensorizedLayer):
             return rows[:, 0]
         return rows.sum(1) if self.mode == "sum" else rows.mean(1)
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._cache_filled = None if self.cache_rows else False  # read from the loaded ids
+
     def _check_ids(self, flat: Tensor, eager: bool) -> None:
         """Out-of-range ids would silently read padding rows of the TTM chain: refuse them.
 
@@ -222,6 +353,9 @@ class TTEmbedding(TensorizedLayer):
         """The ``(num_embeddings, embedding_dim)`` table (for export and tests only)."""
         full = ttm_to_dense(self.gated_cores(), self.row_modes, self.col_modes)
         table = full[: self.num_embeddings, : self.embedding_dim]
+        if self.cache is not None:  # cached rows are the cache's
+            held = self.cache.ids != EMPTY
+            table = table.index_put((self.cache.ids[held],), self.cache.weight[held])
         if self.padding_idx is not None:
             table = table.clone()
             table[self.padding_idx] = 0
@@ -270,6 +404,13 @@ class TTEmbedding(TensorizedLayer):
     def extra_repr(self) -> str:
         bag = f", mode={self.mode!r}" if self.mode else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
+
+
+@torch.compiler.disable
+def _eager_forward(layer: TTEmbedding, input: Tensor, offsets: Tensor | None,
+                   weights: Tensor | None) -> Tensor:
+    """A cached table's forward, run eagerly (a graph break when called from compiled code)."""
+    return layer._forward(input, offsets, weights)
 
 
 def weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tensor,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from comera_compile.nn import TensorizedLayer
+from comera_compile.nn.row_cache import RowCache
 
 LINEAR, CONV1D, EMBEDDING, EMBEDDING_BAG = "linear", "conv1d", "embedding", "embedding_bag"
 
@@ -26,7 +27,7 @@ def is_hf_conv1d(module: nn.Module) -> bool:
 
 
 def layer_kind(module: nn.Module) -> str | None:
-    if isinstance(module, TensorizedLayer):
+    if isinstance(module, (TensorizedLayer, RowCache)):  # a TT table's cache is part of it
         return None
     if isinstance(module, nn.Linear):
         return LINEAR

@@ -22,6 +22,7 @@ from comera_compile.passes.fuse import fuse_captured
 from comera_compile.passes.materialize import materialize, on_meta
 from comera_compile.passes.report import OptimizeReport, attach_report, layer_records
 from comera_compile.passes.rewrite import rewrite
+from comera_compile.passes.row_cache import CachePlan, plan_caches
 from comera_compile.passes.select import BudgetUnreachable, select_layers
 from comera_compile.passes.sensitivity import output_sensitivities
 from comera_compile.passes.shapes import propagate_shapes
@@ -45,6 +46,8 @@ class Settings(Protocol):
     autotune: bool
     fuse: bool
     device: str
+    row_cache: float | str
+    cache_warmup: int
 
     def to_dict(self) -> dict[str, Any]: ...
 
@@ -157,6 +160,15 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
                 raise
             continue
         layer_format = fmt
+        caches = plan_caches(selection.chosen, _example_ids(shapes), config.row_cache)
+        if caches.params:  # the caches' parameters come out of the budget: choose again
+            try:
+                selection = select_layers(options, skipped, budget, before, max_rank, init,
+                                          weights, grams, sensitivities,
+                                          reserve=caches.reserve(selection.chosen))
+            except BudgetUnreachable:
+                caches = CachePlan({}, {n: "no hot-row cache: the budget cannot spare it"
+                                        for n in caches.params})
         break
     if layer_format == AUTO and grams:
         configured = check_layer_config(layer_config)
@@ -167,6 +179,9 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
     rewrite(target, selection.chosen, init, device, grams)
     if on_meta(target):
         materialize(target, device)
+    for name, rows in caches.params.items():
+        if name in selection.chosen:
+            target.get_submodule(name).set_cache(rows, config.cache_warmup)
     for name in selection.chosen:
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective
@@ -183,8 +198,16 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
         _returned(target, captured.graph_exact),
     )
     report.config = config.to_dict()
+    report.caches = {n: why for n, why in caches.reasons.items() if n in selection.chosen}
     attach_report(target, report)
     return target
+
+
+def _example_ids(shapes: Any) -> dict[str, torch.Tensor]:
+    """The ids each table looked up in the example forward, where they were real."""
+    if shapes is None:
+        return {}
+    return {name: s.ids for name, s in shapes.layers.items() if s.ids is not None}
 
 
 def default_format(init: str, has_examples: bool) -> str:

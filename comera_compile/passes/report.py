@@ -37,6 +37,7 @@ class OptimizeReport:
     skipped: dict[str, str] = field(default_factory=dict)
     returned: str = ""  # which form optimize returned, and why
     config: dict[str, Any] | None = None  # the CompressionConfig, as its to_dict wrote it
+    caches: dict[str, str] = field(default_factory=dict)  # per table: its hot-row cache, why
 
 
 def attach_report(model: nn.Module, report: OptimizeReport) -> None:
@@ -200,7 +201,7 @@ def summary(model: nn.Module) -> Summary:
         skipped,
         report.returned if report else "",
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
-        _notes(model),
+        _notes(model, report),
         compiled,
         _advice(report, records),
     )
@@ -253,14 +254,39 @@ def layer_records(model: nn.Module, selection: Any, init: str) -> dict[str, dict
     return records
 
 
-def _notes(model: nn.Module) -> dict[str, str]:
-    """Per layer, what a user of the original layer must know (sparse tables)."""
-    return {
-        name: ("declared sparse=True; gradients became dense: its TT cores get small dense "
-               "gradients, which SGD, Adagrad and Adam take (SparseAdam does not)")
-        for name, module in model.named_modules()
-        if isinstance(module, TTEmbedding) and module.declared_sparse
-    }
+def _notes(model: nn.Module, report: OptimizeReport | None = None) -> dict[str, str]:
+    """Per layer, what a user of the original layer must know (sparse tables, caches)."""
+    notes = {}
+    reasons = getattr(report, "caches", None) or {}
+    for name, module in model.named_modules():
+        if not isinstance(module, TTEmbedding):
+            continue
+        said = []
+        if module.declared_sparse:
+            said.append("declared sparse=True; gradients became dense: its TT cores get small "
+                        "dense gradients, which SGD, Adagrad and Adam take (SparseAdam does "
+                        "not)" + (", its hot-row cache sparse ones" if module.cache_rows else ""))
+        if module.cache_rows:
+            said.append(_cache_state(module))
+        if reasons.get(name) and not module.cache_rows:
+            said.append(reasons[name])
+        elif reasons.get(name):
+            said.append(f"chosen as it {reasons[name]}")
+        if said:
+            notes[name] = "; ".join(said)
+    return notes
+
+
+def _cache_state(layer: TTEmbedding) -> str:
+    """``hot-row cache: 40,000 rows (640,000 params), 39,112 filled`` or its warm-up."""
+    size = f"hot-row cache: {layer.cache_rows:,} rows ({layer.cache.weight.numel():,} params)"
+    if layer.cache_filled:
+        held = int((layer.cache.ids >= 0).sum())
+        return f"{size}, {held:,} filled (fixed)"
+    if layer.cache_warmup:
+        return (f"{size}, empty: counting ids for {layer.cache_warmup} training batches "
+                f"({layer._tally.calls} so far)")
+    return f"{size}, empty: fill it with fill_cache(ids)"
 
 
 def record_original(cand: Candidate, order_reason: str = "") -> dict[str, Any]:

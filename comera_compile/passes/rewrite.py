@@ -243,7 +243,10 @@ def layer_from_layout(name: str, layout: dict, dense: nn.Module) -> TensorizedLa
         layer = TTEmbedding(
             wanted[1], wanted[2], padding_idx=dense.padding_idx,
             mode=getattr(dense, "mode", None) if isinstance(dense, nn.EmbeddingBag) else None,
-            row_modes=layout["row_modes"], col_modes=layout["col_modes"], **kwargs,
+            row_modes=layout["row_modes"], col_modes=layout["col_modes"],
+            include_last_offset=bool(getattr(dense, "include_last_offset", False)),
+            sparse=bool(getattr(dense, "sparse", False)),
+            cache_rows=layout.get("cache_rows", 0), **kwargs,
         )
     else:
         cls = LINEAR_CLASSES[fmt]

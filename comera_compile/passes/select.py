@@ -124,8 +124,12 @@ def select_layers(
     output_weights: dict[str, float] | None = None,
     grams: dict | None = None,
     sensitivities: dict[str, float] | None = None,
+    reserve: int = 0,
 ) -> Selection:
     """Choose layers and each one's ranks so the model spends 95-100% of ``budget``.
+
+    ``reserve``: parameters (float32) the budget must leave for something else (hot-row
+    caches).
 
     ``init="dense"`` minimises the weights' truncation error (per bond, from singular values,
     as output errors where ``grams`` whiten them, times the layer's ``sensitivities``, how
@@ -139,7 +143,7 @@ def select_layers(
         reasons = {**skipped, **{o.cand.name: o.held for o in held}}
         try:
             return select_layers(kept, reasons, budget, before, max_rank, init, output_weights,
-                                 grams, sensitivities)
+                                 grams, sensitivities, reserve)
         except ValueError:  # unreachable without them: every layer competes
             pass
         for option in held:
@@ -150,6 +154,9 @@ def select_layers(
         return Selection(chosen, skipped, cap, before, _totals_at(before, options, cap),
                          order_reasons=_order_reasons(options))
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
+    for key, size in (("params", reserve), ("bytes", 4 * reserve)):
+        if key in limits:
+            limits[key] -= size
     _size_monarch(options, skipped, before, limits)
     weights = output_weights or {}
     grams = grams or {}

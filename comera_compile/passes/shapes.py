@@ -27,6 +27,7 @@ class LayerShape:
     rows: int  # rows per call: leading dims of a Linear input, number of ids of an embedding
     calls: int = 1
     total_rows: int = 0  # rows summed over calls (a shared layer runs more than once)
+    ids: torch.Tensor | None = None  # an embedding's looked-up ids, where they are real
 
 
 @dataclass
@@ -42,6 +43,27 @@ def _rows(module: nn.Module, x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
+def _real_ids(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and not x.is_meta and (
+            not x.is_floating_point()):
+        return x.detach().reshape(-1).cpu()
+    return None
+
+
+def _features_on_meta(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """For a model on the meta device, float inputs go to meta too; integer ids stay real,
+    so a table built on meta still sees which ids it looks up (its hot-row cache)."""
+    if not any(t.is_meta for t in model.parameters()):
+        return args, kwargs
+
+    def meta(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.to("meta")
+        return v
+
+    return tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
+
+
 def propagate_shapes(
     model: nn.Module, example_inputs: Any, layer_names: set[str] | None = None
 ) -> ShapeInfo:
@@ -49,7 +71,7 @@ def propagate_shapes(
 
     A model error becomes a ValueError naming the inputs, the module that failed and why.
     """
-    args, kwargs = as_call(example_inputs)
+    args, kwargs = _features_on_meta(model, *as_call(example_inputs))
     info = ShapeInfo()
     stack: list[str] = []
     names = {id(m): n for n, m in model.named_modules()}
@@ -63,11 +85,14 @@ def propagate_shapes(
             x = inputs[0]
             rows = _rows(module, x)
             seen = info.layers.get(name)
+            ids = _real_ids(module, x)
             if seen is None:
-                info.layers[name] = LayerShape(tuple(x.shape), rows, 1, rows)
+                info.layers[name] = LayerShape(tuple(x.shape), rows, 1, rows, ids)
             else:
                 seen.calls += 1
                 seen.total_rows += rows
+                if ids is not None and seen.ids is not None:
+                    seen.ids = torch.cat([seen.ids, ids])
 
     def post_hook(module, inputs, output):
         if stack:

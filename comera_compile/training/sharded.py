@@ -105,6 +105,14 @@ def shard(
         raise ValueError(f"shard() takes a 1-D mesh (plain FSDP), got a {mesh.ndim}-D mesh")
     if is_sharded(model):
         raise ValueError("the model is already sharded: call shard() once, on the unwrapped model")
+    for name, layer in tensorized_layers(model).items():
+        if getattr(layer, "cache_rows", 0) and not layer.cache_filled:
+            raise ValueError(
+                f"'{name}' has a hot-row cache that is not filled yet: a cache filled inside a "
+                "sharded forward would be lost with the unsharded parameters; fill it before "
+                f"shard() with model.get_submodule('{name}').fill_cache(ids) (ids from your "
+                "data, the same on every rank)"
+            )
     if blocks is None:
         chosen = _default_blocks(model)
     elif callable(blocks):

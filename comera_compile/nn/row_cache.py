@@ -1,0 +1,96 @@
+"""Hot-row cache of a TT embedding table: its most frequent rows kept as a small dense table.
+
+As in TT-Rec (Yin et al., MLSys 2021), the rows a recommender looks up most often sit in a
+dense ``(capacity, dim)`` table that trains alongside the cores; every other row is still
+built from the cores. Under a power law a few thousand rows take most lookups, so the cores
+build far fewer rows per step and the hot rows train as freely as a dense table's.
+
+Semantics, chosen so that no trained value is ever lost:
+
+- The cached set is chosen once (from counted ids: the first training batches, or ids the
+  user passes to ``fill_cache``), each cached row starting as the cores' row at that moment,
+  and it is fixed from then on. A cached row is a free parameter: the cores cannot hold its
+  trained value exactly, so a row is never evicted back to them. What the cores hold for a
+  cached id is unused afterwards.
+- A lookup reads the cache or the cores, never both: ids are split by the sorted cached ids
+  (a binary search per distinct id). A table-sized remap (id -> slot) would cost 4 bytes per
+  row, 1/dim of the dense table and more than the cores of a highly compressed one; the
+  search touches only the ``capacity`` cached ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_WARMUP = 100
+"""Training forward passes whose ids are counted before the cached set is fixed."""
+
+EMPTY = -1
+"""``cache_ids`` value of a slot that holds no row (empty slots sort first)."""
+
+
+def split_by_cache(cache_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(slots of the hits, positions of the hits, positions of the misses)`` in ``ids``.
+
+    ``cache_ids`` is sorted (empty slots, ``EMPTY``, first), so each id finds its slot by
+    binary search; an id is a hit when the slot holds it.
+    """
+    slot = torch.searchsorted(cache_ids, ids).clamp_(max=cache_ids.numel() - 1)
+    hit = cache_ids.index_select(0, slot) == ids
+    hits = hit.nonzero().squeeze(1)
+    misses = (~hit).nonzero().squeeze(1)
+    return slot.index_select(0, hits), hits, misses
+
+
+def top_rows(ids: Tensor, counts: Tensor | None, capacity: int) -> Tensor:
+    """The at most ``capacity`` most counted distinct ids, sorted (ties: the smaller id).
+
+    ``counts`` (one per entry of ``ids``, ids may repeat) default to one per occurrence.
+    """
+    ids = ids.reshape(-1).long()
+    weights = torch.ones_like(ids) if counts is None else counts.reshape(-1).long()
+    if weights.numel() != ids.numel():
+        raise ValueError(f"counts has {weights.numel()} entries for {ids.numel()} ids")
+    distinct, inverse = torch.unique(ids, return_inverse=True)  # sorted
+    totals = torch.zeros_like(distinct).index_add_(0, inverse, weights)
+    keep = min(int(capacity), distinct.numel())
+    # stable descending sort: equal counts keep ascending id order
+    order = torch.sort(totals, descending=True, stable=True).indices[:keep]
+    return distinct.index_select(0, order).sort().values
+
+
+class RowCache(nn.Embedding):
+    """The cached rows (``weight``) and the ids they hold (``ids``, sorted, ``EMPTY`` first).
+
+    An ``nn.Embedding``, so that DDP, optimizers that split sparse from dense parameters and
+    anything else that knows sparse tables treat its gradient as a sparse table's.
+    """
+
+    def __init__(self, rows: int, dim: int, sparse: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__(rows, dim, sparse=sparse, dtype=dtype, device=device)
+        nn.init.zeros_(self.weight)
+        self.register_buffer("ids", torch.full((rows,), EMPTY, dtype=torch.long, device=device))
+
+
+class IdTally:
+    """Counts of the ids seen so far (distinct ids and their counts, no table-sized array)."""
+
+    def __init__(self) -> None:
+        self.ids: Tensor | None = None
+        self.counts: Tensor | None = None
+        self.calls = 0
+
+    def add(self, ids: Tensor, counts: Tensor | None = None) -> None:
+        ids = ids.detach().reshape(-1).long()
+        counts = torch.ones_like(ids) if counts is None else counts.reshape(-1).long()
+        if self.ids is not None:
+            ids, counts = torch.cat([self.ids, ids]), torch.cat([self.counts, counts])
+        self.ids, inverse = torch.unique(ids, return_inverse=True)
+        self.counts = torch.zeros_like(self.ids).index_add_(0, inverse, counts)
+        self.calls += 1
+
+    def clear(self) -> None:
+        self.ids = self.counts = None
+        self.calls = 0
