@@ -215,9 +215,9 @@ class CompressionConfig:
     count; None tensorizes every eligible layer at the default rank).
     ``format``: ``"tt"``, ``"ttm"``, ``"lowrank"``, ``"cola"``, ``"btt"`` (block
     tensor-train: full rank, a rank gate), ``"monarch"`` (full rank, sized by its block
-    count), ``"auto"`` (per layer, by output error; pretrained weights) or None (from scratch ``"cola"``, or ``"tt"`` where the
-    budget is below CoLA's rank-1 floor; ``"auto"`` for ``init="dense"`` with example
-    inputs; else ``"tt"``). ``init``: ``"random"``
+    count), ``"auto"`` (per layer, by output error; pretrained weights) or None (from
+    scratch ``"cola"``, or ``"tt"`` where the budget is below CoLA's rank-1 floor;
+    ``"auto"`` for ``init="dense"`` with example inputs; else ``"tt"``). ``init``: ``"random"``
     (train from scratch, as CoMERA does) or ``"dense"`` (TT-SVD of the current weights).
     ``max_rank``: a cap on every bond rank. ``include`` / ``exclude``: layer names or
     glob patterns to consider or leave dense. ``layer_config``: per-layer settings by name
