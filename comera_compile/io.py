@@ -62,6 +62,9 @@ from comera_compile.passes.rewrite import LINEAR_CLASSES, apply_layouts
 
 MANIFEST, HF_CONFIG, HF_WEIGHTS = "comera.json", "config.json", "model.safetensors"
 FORMAT_VERSION = 3
+UNHASHED_VERSION = 2  # the previous format: no hashes, no layouts (loads with verify=False)
+UNHASHED_FIELDS = ("format_version", "weights", "weights_bytes", "model_class", "aliases",
+                   "report")
 COMPILED_PREFIX = "_orig_mod."
 EXTRA = "_extra_state"
 SAVED_WEIGHTS = re.compile(r"model-[0-9a-f]{12}\.safetensors")  # as save names them
@@ -223,7 +226,7 @@ def _saved_layouts(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[s
     return found
 
 
-def _read_manifest(directory: str) -> dict[str, Any]:
+def _read_manifest(directory: str, verify: bool = True) -> dict[str, Any]:
     """``comera.json``, or what a ``save_pretrained`` directory implies."""
     path = _own_file(directory, MANIFEST)
     if os.path.exists(path):
@@ -233,6 +236,8 @@ def _read_manifest(directory: str) -> dict[str, Any]:
                 f"{path} holds a JSON {type(manifest).__name__}, not an object; save the "
                 "model again"
             )
+        if manifest.get("format_version") == UNHASHED_VERSION:
+            return _unhashed_manifest(path, manifest, verify)
         if manifest.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{path} has format_version {manifest.get('format_version')!r}; this version "
@@ -257,6 +262,22 @@ def _read_json(path: str) -> Any:
     except (ValueError, RecursionError) as exc:  # bad JSON, not UTF-8, nested too deep
         message = f"{path} is not valid JSON ({type(exc).__name__}); save the model again"
         raise CheckpointError(message) from None
+
+
+def _unhashed_manifest(path: str, manifest: dict[str, Any], verify: bool) -> dict[str, Any]:
+    """A manifest of the previous format, which recorded no hashes and no layouts: read only
+    when the caller gives up verification (``verify=False``); shapes, dtypes, keys and
+    aliases are still checked against the model."""
+    if verify:
+        raise CheckpointError(
+            f"{path} was written by an earlier comera_compile (format_version "
+            f"{UNHASHED_VERSION}), which recorded no hashes, so its bytes cannot be verified: "
+            "load it with cc.load(directory, verify=False) and save it again"
+        )
+    legacy = {k: v for k, v in manifest.items() if k in UNHASHED_FIELDS}
+    _check_manifest(path, {**legacy, "sha256": "0" * 64, "header_sha256": "0" * 64,
+                           "config_sha256": None, "layouts": {}})
+    return legacy
 
 
 def _check_manifest(path: str, manifest: dict[str, Any]) -> None:
@@ -772,10 +793,11 @@ def load(
     tensors that differ; a layer of other modes raises ``CheckpointLayoutError`` (both a
     ``CheckpointError`` and a ``LayoutMismatchError``). ``verify=False`` skips hashing the
     whole weights file (for files too big to read twice): its header is still checked,
-    but altered tensor values would then load unnoticed.
+    but altered tensor values would then load unnoticed; it also reads checkpoints of the
+    previous format, which recorded no hashes.
     """
     directory = os.fspath(directory)
-    manifest = _read_manifest(directory)
+    manifest = _read_manifest(directory, verify)
     state = _read_weights(directory, manifest, str(map_location), verify)
     returned = _build_hf_base(directory, manifest, state) if model is None else model
     target = _unwrap(returned)

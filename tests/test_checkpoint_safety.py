@@ -4,6 +4,7 @@ a model is built from it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -298,3 +299,25 @@ def test_an_altered_config_is_refused(saved_bert, tmp_path):
     with pytest.raises(CheckpointError, match=r"config.json .* is not the one saved with the "
                                               r"weights"):
         cc.load(directory)
+
+
+def _as_previous_format(directory) -> None:
+    """Rewrite a manifest as the previous format wrote it: no hashes, no layouts."""
+    path = directory / "comera.json"
+    manifest = json.loads(path.read_text())
+    keep = ("weights", "weights_bytes", "model_class", "aliases", "report")
+    path.write_text(json.dumps({"format_version": 2, **{k: manifest[k] for k in keep}}))
+
+
+def test_a_checkpoint_of_the_previous_format_loads_exactly_unverified(tmp_path):
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(),
+                                torch.nn.Linear(96, 64))
+    model = cc.optimize(dense, budget=0.3, compile=False)
+    cc.save(model, tmp_path)
+    _as_previous_format(tmp_path)
+    with pytest.raises(CheckpointError, match=r"verify=False"):
+        cc.load(tmp_path, model=copy.deepcopy(dense))
+    loaded = cc.load(tmp_path, model=copy.deepcopy(dense), verify=False)
+    x = torch.randn(5, 64)
+    assert torch.equal(loaded(x), model(x))
