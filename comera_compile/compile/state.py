@@ -10,7 +10,7 @@ model can only be compiled once they are loaded.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -22,16 +22,32 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CompiledState:
     """``compiled``: training steps run through ``torch.compile`` (wrapped, or compiled in
-    place; not where ``optimize``'s measured compile chose eager). ``cuts_recompile``: a
-    rank cut makes them compile again (graphs at static ranks). ``description``: how the
-    model runs, for ``summary`` (``""`` where nothing is compiled). ``measured``: the
+    place; not where ``optimize``'s measured compile chose eager). ``measured``: the
     measured compile ``optimize`` installed (None otherwise), which a trainer tells how
-    long the run is and asks whether a recompile pays."""
+    long the run is and asks whether a recompile pays. ``cuts_recompile`` and
+    ``description`` are read when asked: the measured compile settles its form (blocks or
+    the whole model) on first being asked, so they must not be read before the trainer has
+    said what the run will do."""
 
     compiled: bool
-    cuts_recompile: bool
-    description: str
     measured: MeasuredCompile | None
+    wrapped: bool = False
+    call: Any = field(default=None, repr=False)  # the compiled call installed in place
+
+    @property
+    def cuts_recompile(self) -> bool:
+        """Whether a rank cut makes the training steps compile again (static ranks)."""
+        return self.compiled and bool(getattr(self.call, "cuts_recompile", True))
+
+    @property
+    def description(self) -> str:
+        """How the model runs, for ``summary`` (``""`` where nothing is compiled)."""
+        if self.wrapped:
+            return "wrapped by torch.compile"
+        if self.call is None:
+            return ""
+        describe = getattr(self.call, "describe", None)
+        return describe() if describe is not None else "compiled in place (torch.compile)"
 
 
 def _wrapped(model: nn.Module) -> bool:
@@ -44,15 +60,12 @@ def compiled_state(model: nn.Module) -> CompiledState:
     """How ``model`` (or the module a ``DistributedDataParallel`` wraps) runs compiled."""
     model = getattr(model, "module", model)
     if _wrapped(model):
-        return CompiledState(True, True, "wrapped by torch.compile", None)
-    impl: Any = getattr(model, "_compiled_call_impl", None)
-    if impl is None:
-        return CompiledState(False, False, "", None)
-    compiled = bool(getattr(impl, "compiles_training", True))
-    describe = getattr(impl, "describe", None)
+        return CompiledState(compiled=True, measured=None, wrapped=True)
+    call: Any = getattr(model, "_compiled_call_impl", None)
+    if call is None:
+        return CompiledState(compiled=False, measured=None)
     return CompiledState(
-        compiled=compiled,
-        cuts_recompile=compiled and bool(getattr(impl, "cuts_recompile", True)),
-        description=describe() if describe is not None else "compiled in place (torch.compile)",
-        measured=impl if hasattr(impl, "expect_cuts") else None,
+        compiled=bool(getattr(call, "compiles_training", True)),
+        measured=call if hasattr(call, "expect_cuts") else None,
+        call=call,
     )
