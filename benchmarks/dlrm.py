@@ -123,8 +123,8 @@ def run_row(row: str, ids: str, args: argparse.Namespace) -> dict:
             cache_warmup=args.warmup, exclude=args.exclude.split(",") if args.exclude else None)
         model = cc.optimize(model, config, example_inputs=(dense.to("meta"), sparse),
                             inplace=True)
-        opt = torch.optim.SGD(cc.training.param_groups(model, lr=args.lr,
-                                                       lr_cores=args.core_lr), lr=args.lr)
+        opt = torch.optim.SGD(cc.training.param_groups(  # gates as cores: no rank schedule
+            model, lr=args.lr, lr_cores=args.core_lr, lr_gates=args.core_lr), lr=args.lr)
     _scale_tables(model, args.table_std)
     params = sum(p.numel() for p in model.parameters())
     _reset_peak()

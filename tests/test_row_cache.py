@@ -257,7 +257,8 @@ def test_planted_click_task_cached_loss_within_one_percent_of_dense():
             for table in model.tables:
                 last = table.cores[-1] if isinstance(table, TTEmbedding) else table.weight
                 last.mul_(0.1)
-        groups = (cc.training.param_groups(model, lr=0.3, lr_cores=0.05) if row == "cached"
+        groups = (cc.training.param_groups(model, lr=0.3, lr_cores=0.05,
+                                                 lr_gates=0.05) if row == "cached"
                   else model.parameters())
         opt = torch.optim.SGD(groups, lr=0.3)
         for step in range(300):
