@@ -96,6 +96,7 @@ SWITCH_SLACK = 0.01
 """The switch rule counts a size within this share above its budget as met: the size floor
 holds the size just above the budget, and a rule waiting for ``S <= S_t`` exactly would
 keep the task loss at a tenth of its weight for good."""
+
 COMPILED_MIN_CUT = 1 / 3
 """A compiled model recompiles at every shape change, so it is cut only once a third of its
 core parameters are dead, and where the run needs its final shapes: at most a few
@@ -497,9 +498,9 @@ class RankAdaptiveTrainer:
 
     def size_floor(self) -> float | None:
         """The size that channels dying at the threshold may not take the model below: the
-        budget in the late stage; in the early stage the absolute target
-        (``target_params`` / ``target_bytes``), so the early stage's deaths count against
-        it too; None where nothing is known yet."""
+        budget in the late stage; in the early stage the target itself (``target_params``,
+        ``target_bytes``, or ``target_ratio`` of the starting size), so the early stage's
+        deaths count against it too."""
         if self._stage == LATE:
             return self.budget()
         if self.target_bytes is not None:
