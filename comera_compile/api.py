@@ -19,6 +19,7 @@ from comera_compile.passes import (
     AUTO,
     Budget,
     BudgetUnreachable,
+    CachePlan,
     OptimizeReport,
     Summary,
     attach_report,
@@ -37,6 +38,7 @@ from comera_compile.passes import (
     output_sensitivities,
     output_weights,
     parse_budget,
+    plan_caches,
     propagate_shapes,
     restore_untouched,
     rewrite,
@@ -45,7 +47,6 @@ from comera_compile.passes import (
     summary,
     weigh_tables,
 )
-from comera_compile.passes.row_cache import CachePlan, plan_caches
 from comera_compile.planner import PlanReport
 
 __all__ = [

@@ -20,6 +20,7 @@ from comera_compile.passes.report import (
     summary,
 )
 from comera_compile.passes.rewrite import build_layer, check_init, rewrite
+from comera_compile.passes.row_cache import CachePlan, plan_caches
 from comera_compile.passes.select import (
     DEFAULT_MAX_RANK,
     BudgetUnreachable,
@@ -35,6 +36,8 @@ from comera_compile.passes.spectra import input_grams, output_weights
 from comera_compile.passes.targets import check_layer_config, config_for  # noqa: E402
 
 __all__ = [
+    "CachePlan",
+    "plan_caches",
     "DEFAULT_MAX_RANK",
     "Budget",
     "Candidate",
