@@ -62,7 +62,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS_DIR, write_results  # noqa: E402
-from pretrain import batch, count, llama, load_corpus, optimizer_for, rss_mb  # noqa: E402
+from pretrain import (  # noqa: E402
+    batch,
+    corpus_label,
+    count,
+    llama,
+    load_corpus,
+    optimizer_for,
+    rss_mb,
+)
 from pretrain import schedule as cosine_schedule  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
@@ -470,9 +478,7 @@ def report(args, results: dict) -> tuple[str, bool]:
 
 def corpus_name(args) -> str:
     """How the results name the corpus (never a machine path)."""
-    if args.corpus_name:
-        return args.corpus_name
-    return "Python stdlib" if Path(args.corpus) == Path(STDLIB) else Path(args.corpus).name
+    return args.corpus_name or corpus_label(args.corpus)
 
 
 def setup_line(args, rows: list[str]) -> str:
@@ -577,21 +583,23 @@ def gpu_race(args) -> None:
     unknown = set(rows) - set(GPU_ROWS)
     if unknown:
         raise SystemExit(f"unknown GPU rows {sorted(unknown)}; choose from {GPU_ROWS}")
-    results = {}
+    results, failed = {}, []
     for row in rows:
         cmd = [sys.executable, __file__, *args.argv, "--row", row]
         t0 = time.time()
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             print(out.stderr[-3000:])
-            print(f"row {row} failed: left out")
+            last = (out.stderr.strip().splitlines() or ["no message"])[-1]
+            failed.append(f"{row} failed (left out): {last[:300]}")
+            print(failed[-1])
             continue
         results[row] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{row}: {results[row]['median_step_s'] * 1e3:.1f} ms/step "
               f"({time.time() - t0:.0f} s)", flush=True)
     if not results:
         raise SystemExit("no GPU row ran")
-    text = gpu_report(args, results)
+    text = "\n".join([gpu_report(args, results), *failed])
     print(text)
     if not args.no_write:
         where = "GPU " + torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from comera_compile.nn import TensorizedLayer, TiedEmbeddingHead, TTEmbedding
+from comera_compile.passes.advice import narrow_dense_advice
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
 from comera_compile.passes.spectra import relative_error
@@ -201,7 +202,8 @@ def summary(model: nn.Module) -> Summary:
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
         _notes(model),
         compiled,
-        _advice(report, records),
+        "; ".join(a for a in (_advice(report, records), narrow_dense_advice(
+            report.init if report else None, before, after)) if a),
     )
 
 
