@@ -14,15 +14,24 @@ from comera_compile.api import (
     summary,
     to_graph_module,
 )
-from comera_compile.nn import LowRankLinear, TTEmbedding, TTLinear, TTMLinear
+from comera_compile.nn import (
+    BTTLinear,
+    LowRankLinear,
+    MonarchLinear,
+    TTEmbedding,
+    TTLinear,
+    TTMLinear,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BTTLinear",
     "Budget",
     "CompileOptions",
     "CompressionConfig",
     "LowRankLinear",
+    "MonarchLinear",
     "Summary",
     "TTEmbedding",
     "TTLinear",

@@ -4,6 +4,19 @@ Also the door checks every layer shares (positive ints, rank lists), kept at the
 the package so that formats, planner and layers all read arguments the same way."""
 
 from ._checks import positive_int, positive_ints, ttm_mode_pairs
+from .btt import (
+    btt_core_shapes,
+    btt_fan_ins,
+    btt_init_stds,
+    btt_macs_per_row,
+    btt_modes,
+    btt_multiply,
+    btt_params,
+    btt_project,
+    btt_rank_cap,
+    btt_rank_for,
+    btt_to_dense,
+)
 from .counts import (
     core_params,
     dense_linear_macs,
@@ -21,8 +34,10 @@ from .factorize import (
     zero_pad,
 )
 from .layout import (
+    BTT,
     COLA,
     LOWRANK,
+    MONARCH,
     ONE_MODE,
     TT,
     TT_CHAINS,
@@ -34,6 +49,18 @@ from .layout import (
     is_lowrank_table,
     lowrank_table_modes,
     modes_cover,
+)
+from .monarch import (
+    DEFAULT_BLOCKS,
+    monarch_blocks_for,
+    monarch_core_shapes,
+    monarch_fan_ins,
+    monarch_init_stds,
+    monarch_modes,
+    monarch_multiply,
+    monarch_params,
+    monarch_project,
+    monarch_to_dense,
 )
 from .ranks import chain_ranks, clip_ranks, fit_ranks, internal_ranks, rank_caps
 from .scaling import (
@@ -47,6 +74,29 @@ from .tt import chain_norm, merge_cores, tt_random_cores, tt_svd, tt_svd_with_er
 from .ttm import ttm_random_cores, ttm_svd, ttm_svd_with_error, ttm_to_dense
 
 __all__ = [
+    "BTT",
+    "DEFAULT_BLOCKS",
+    "MONARCH",
+    "btt_core_shapes",
+    "btt_fan_ins",
+    "btt_init_stds",
+    "btt_macs_per_row",
+    "btt_modes",
+    "btt_multiply",
+    "btt_params",
+    "btt_project",
+    "btt_rank_cap",
+    "btt_rank_for",
+    "btt_to_dense",
+    "monarch_blocks_for",
+    "monarch_core_shapes",
+    "monarch_fan_ins",
+    "monarch_init_stds",
+    "monarch_modes",
+    "monarch_multiply",
+    "monarch_params",
+    "monarch_project",
+    "monarch_to_dense",
     "chain_norm",
     "ChainLayout",
     "LOWRANK",

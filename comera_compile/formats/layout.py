@@ -12,13 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._checks import positive_int, positive_ints
+from .btt import btt_modes, check_btt_modes
 from .factorize import tt_linear_modes, ttm_modes
+from .monarch import DEFAULT_BLOCKS, check_monarch_modes, monarch_modes
 from .ranks import fit_ranks
 
 TT, TTM, LOWRANK, COLA, TT_EMBEDDING = "tt", "ttm", "lowrank", "cola", "tt_embedding"
 """The layer formats: TT and TTM Linear, low-rank ``W = U V`` (a TT chain of order 1),
 CoLA's low-rank with a nonlinearity on the bond (laid out as low-rank), and the
 TTM-format embedding table."""
+BTT, MONARCH = "btt", "monarch"
+"""Block tensor-train and Monarch Linear layers (``formats.btt``, ``formats.monarch``): two
+block-diagonal factors each, full rank; BTT has a rank bond, Monarch a block count."""
 TT_CHAINS = (TT, LOWRANK, COLA)  # single-mode cores: input modes, then output modes
 ONE_MODE = (LOWRANK, COLA)  # chains of order 1: one mode per side
 
@@ -84,11 +89,15 @@ def chain_layout(
     for a Linear and ``(num_embeddings, embedding_dim)`` for an embedding. Modes not given
     are factorized (a TTM chain takes its order from given modes); ``ranks`` is an int or a
     rank list, clipped to what each bond can hold."""
-    if fmt not in (*TT_CHAINS, TTM, TT_EMBEDDING):
-        raise ValueError(f"unknown format {fmt!r}; use one of {(TT, TTM, LOWRANK, COLA)}")
+    if fmt not in (*TT_CHAINS, TTM, TT_EMBEDDING, BTT, MONARCH):
+        raise ValueError(
+            f"unknown format {fmt!r}; use one of {(TT, TTM, LOWRANK, COLA, BTT, MONARCH)}")
     names = _ARGUMENT_NAMES.get(fmt, _LINEAR_NAMES)
     first_size = positive_int(names[0], first_size)
     second_size = positive_int(names[1], second_size)
+    if fmt in (BTT, MONARCH):
+        return _block_layout(fmt, first_size, second_size, ranks, first_modes, second_modes,
+                             order)
     if fmt in ONE_MODE:
         check_low_rank(order, first_modes, second_modes)
         order = 1
@@ -116,6 +125,40 @@ def chain_layout(
             f"need the same length; {fix}"
         )
     return ChainLayout(ms, ns, fit_ranks([m * n for m, n in zip(ms, ns)], ranks))
+
+
+def _block_layout(
+    fmt: str,
+    in_features: int,
+    out_features: int,
+    ranks: int | Sequence[int],
+    in_modes: Sequence[int] | None,
+    out_modes: Sequence[int] | None,
+    order: int | None,
+) -> ChainLayout:
+    """BTT: two modes per side and one rank ``[1, r, 1]`` (an int is clipped to the rank
+    that holds every matrix). Monarch: ``(blocks, block size)`` per side and no rank
+    (``[1, 1]``); ``ranks`` is ignored."""
+    if order not in (None, 2):
+        raise ValueError(f"format={fmt!r} has two factors (order 2), got order={order!r}")
+    if fmt == MONARCH:
+        if in_modes is None and out_modes is None:
+            in_modes, out_modes = monarch_modes(in_features, out_features, DEFAULT_BLOCKS)
+        elif in_modes is None or out_modes is None:
+            blocks = (in_modes or out_modes)[0]
+            auto = monarch_modes(in_features, out_features, blocks)
+            in_modes, out_modes = in_modes or auto[0], out_modes or auto[1]
+        check_monarch_modes(in_modes, out_modes)
+        ms = modes_cover("in_modes", in_modes, in_features)
+        ns = modes_cover("out_modes", out_modes, out_features)
+        return ChainLayout(ms, ns, [1, 1])
+    auto = btt_modes(in_features, out_features)
+    ms = tuple(in_modes) if in_modes is not None else auto[0]
+    ns = tuple(out_modes) if out_modes is not None else auto[1]
+    check_btt_modes(ms, ns)
+    ms = modes_cover("in_modes", ms, in_features)
+    ns = modes_cover("out_modes", ns, out_features)
+    return ChainLayout(ms, ns, fit_ranks([ms[1], ns[1]], ranks))
 
 
 def lowrank_table_modes(rows: int, dim: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -7,9 +7,11 @@ from comera_compile.nn.base import (
     TensorizedLayer,
     tensorized_layers,
 )
+from comera_compile.nn.btt_linear import BTTLinear
 from comera_compile.nn.cola_linear import CoLALinear
 from comera_compile.nn.gates import DEFAULT_THRESHOLD
 from comera_compile.nn.lowrank_linear import LowRankLinear
+from comera_compile.nn.monarch_linear import MonarchLinear
 from comera_compile.nn.tied_head import TiedEmbeddingHead
 from comera_compile.nn.tt_embedding import TTEmbedding
 from comera_compile.nn.tt_linear import TTLinear
@@ -19,11 +21,13 @@ LEAF_MODULES = (TensorizedLayer, SplitMultiheadAttention, TiedEmbeddingHead)
 """Modules a graph capture keeps whole: their forward picks a plan per batch size."""
 
 __all__ = [
+    "BTTLinear",
     "CoLALinear",
     "LEAF_MODULES",
     "DEFAULT_THRESHOLD",
     "LayoutMismatchError",
     "LowRankLinear",
+    "MonarchLinear",
     "PruneResult",
     "SplitMultiheadAttention",
     "TTEmbedding",

@@ -40,7 +40,13 @@ from comera_compile.formats import (
     tt_linear_modes,
 )
 from comera_compile.passes.candidates import Candidate
-from comera_compile.passes.specs import TT, LayerSpec, make_spec, max_useful_rank
+from comera_compile.passes.specs import (
+    BLOCK_FORMATS,
+    TT,
+    LayerSpec,
+    make_spec,
+    max_useful_rank,
+)
 from comera_compile.planner import evaluate_path, get_plan, tt_linear_network
 
 ORDERS = (2, 3, 4)
@@ -234,6 +240,8 @@ def pick_order(
         return choice.chosen.spec, f"order {choice.chosen.order}: {choice.reason}"
     if fmt in ONE_MODE:
         return None, f"one mode per side: format={fmt!r} (W = U V)"
+    if fmt in BLOCK_FORMATS:
+        return None, f"two block-diagonal factors: format={fmt!r} (two batched matmuls)"
     if fmt != TT:
         return None, "default order (the order is chosen by cost for format='tt')"
     if rows is None:

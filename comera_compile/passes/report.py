@@ -219,7 +219,8 @@ def _advice(report: OptimizeReport | None, records: list[dict[str, Any]]) -> str
     if report is None or report.init != "random":
         return ""
     linear = {r["format"] for r in records if r["format"] != "tt_embedding"}
-    return FROM_SCRATCH_ADVICE if linear and "cola" not in linear else ""
+    full_rank = {"cola", "btt", "monarch"}  # formats made for training from scratch
+    return FROM_SCRATCH_ADVICE if linear and not linear & full_rank else ""
 
 
 def _compiled(model: nn.Module) -> str:

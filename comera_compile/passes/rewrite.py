@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from comera_compile.formats import (
+    BTT,
     COLA,
     LOWRANK,
+    MONARCH,
     TT,
     TT_EMBEDDING,
     TTM,
@@ -24,8 +26,10 @@ from comera_compile.formats import (
 )
 from comera_compile.nn import (
     DEFAULT_THRESHOLD,
+    BTTLinear,
     CoLALinear,
     LowRankLinear,
+    MonarchLinear,
     SplitMultiheadAttention,
     TensorizedLayer,
     TiedEmbeddingHead,
@@ -40,7 +44,8 @@ from comera_compile.passes.candidates import CONV1D, Candidate, is_hf_conv1d
 from comera_compile.passes.specs import LayerSpec
 
 INITS = ("random", "dense")
-LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear, COLA: CoLALinear}
+LINEAR_CLASSES = {TT: TTLinear, TTM: TTMLinear, LOWRANK: LowRankLinear, COLA: CoLALinear,
+                  BTT: BTTLinear, MONARCH: MonarchLinear}
 
 
 def check_init(init: str) -> None:
@@ -84,7 +89,9 @@ def match_weight_scale(layer: TensorizedLayer, weight: torch.Tensor) -> None:
     (``formats.scaling``) and so the learning rates ``param_groups`` derives from it."""
     with torch.no_grad():
         target = float(weight.detach().float().square().mean().sqrt())
-        current = chain_norm(layer.gated_cores()) / math.sqrt(weight.numel())
+        norm = getattr(layer, "frobenius_norm", None)  # block layers: not a plain chain
+        current = (norm() if norm else chain_norm(layer.gated_cores())) / math.sqrt(
+            weight.numel())
         if target > 0 and current > 0:
             factor = (target / current) ** (1.0 / len(layer.cores))
             for core in layer.cores:

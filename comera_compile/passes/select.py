@@ -24,10 +24,13 @@ from torch import nn
 from comera_compile.formats import (
     COLA,
     LOWRANK,
+    MONARCH,
     TT_EMBEDDING,
     chain_layout,
     is_lowrank_table,
     lowrank_table_modes,
+    monarch_blocks_for,
+    monarch_modes,
 )
 from comera_compile.passes.allocate import (
     FILL,
@@ -44,6 +47,7 @@ from comera_compile.passes.objectives import capacity_loss, error_loss
 from comera_compile.passes.order import pick_order
 from comera_compile.passes.shapes import LayerShape
 from comera_compile.passes.specs import (
+    BLOCK_FORMATS,
     LINEAR_FORMATS,
     TT,
     LayerSpec,
@@ -157,14 +161,22 @@ def _configured(cand: Candidate, cfg: dict[str, Any], default_fmt: str,
         default_fmt = TT
     fmt = _format_for(cand, cfg.get("format"), default_fmt, cand.name)
     ranks = cfg.get("ranks", 1)
+    sized = "ranks" in cfg
     try:
+        if "blocks" in cfg:
+            if fmt != MONARCH:
+                raise ValueError(f"blocks= sets a Monarch layer's size; format {fmt!r} "
+                                 "takes ranks= instead")
+            in_modes, out_modes = monarch_modes(cand.in_features, cand.out_features,
+                                                cfg["blocks"])
+        sized = sized or (fmt == MONARCH and (in_modes or out_modes) is not None)
         chain = chain_layout(fmt, cand.in_features, cand.out_features, ranks, in_modes,
                              out_modes, cfg.get("order"))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"layer_config for '{cand.name}': {exc}") from None
     ins, outs = chain.first, chain.second
     option = _Option(cand, fmt, tuple(ins), tuple(outs), 1, None, forced=True)
-    if "ranks" in cfg:
+    if sized:
         option.fixed = make_spec(cand, fmt, chain.ranks, ins, outs)
     return option
 
@@ -243,7 +255,7 @@ def eligible_options(
             ins, outs = auto_modes(cand, layer_fmt)
             option = _Option(cand, layer_fmt, ins, outs, 1, None, forced=include is not None)
             smallest = make_spec(cand, layer_fmt, 1, ins, outs).params
-            if smallest * MIN_COMPRESSION > cand.dense_params:
+            if layer_fmt != MONARCH and smallest * MIN_COMPRESSION > cand.dense_params:
                 skipped[cand.name] = f"less than {MIN_COMPRESSION:g}x smaller even at rank 1"
                 continue
         if not explicit:
@@ -315,7 +327,7 @@ def layer_plan(
     plan = LayerPlan(option.cand.name, dims, option.cand.dense_params, change, lambda r: 0.0,
                      per_bond=init == "dense", max_rank=max_rank, fixed=fixed,
                      forced=option.forced)
-    if init == "dense":
+    if init == "dense" and option.fmt not in BLOCK_FORMATS:  # block formats: no spectrum
         # whitened by the inputs' Gram, the spectrum's errors are already output errors
         spec = option.spec(1)
         weighs = spec.format in (TT, LOWRANK) or (
@@ -365,6 +377,7 @@ def select_layers(
         return Selection(chosen, skipped, cap, before, _totals_at(before, options, cap),
                          order_reasons=_order_reasons(options))
     limits = budget.limits(before["params"], before["bytes"], before["macs"])
+    _size_monarch(options, skipped, before, limits)
     weights = output_weights or {}
     grams = grams or {}
     plans = [layer_plan(o, init, max_rank, weights.get(o.cand.name, 1.0), grams.get(o.cand.name))
@@ -405,6 +418,52 @@ def select_layers(
     felt = {o.cand.name: o.felt for o in options if o.felt is not None}
     return Selection(chosen, skipped, rank, before, after, limits, errors, shares, reasons,
                      felt)
+
+
+def _size_monarch(options: list[_Option], skipped: dict[str, str], before: dict,
+                  limits: dict[str, float]) -> None:
+    """Give each Monarch layer the user did not size its block count, in place: every one
+    keeps the same share ``f`` of its dense weight, the largest ``f`` with which the model
+    (other layers at their smallest) meets ``limits``. Monarch has no rank for the
+    allocator to grow, so its size is settled here and then held fixed."""
+    sized = [o for o in options if o.fmt == MONARCH and o.fixed is None]
+    if not sized:
+        return
+    others = [o for o in options if o not in sized]
+    base = {m: before[m] for m in limits}
+    for option in others:  # the rest at their cheapest (rank 1, or as the user fixed them)
+        for metric, change in option.delta(option.spec(1)).items():
+            if metric in base:
+                base[metric] += change
+
+    def specs_at(share: float) -> list[LayerSpec | None]:
+        out = []
+        for o in sized:
+            blocks = monarch_blocks_for(o.cand.in_features, o.cand.out_features,
+                                        share * o.cand.in_features * o.cand.out_features)
+            out.append(None if blocks is None else make_spec(
+                o.cand, MONARCH, 1, *monarch_modes(o.cand.in_features, o.cand.out_features,
+                                                   blocks)))
+        return out
+
+    def fits(specs: list[LayerSpec | None]) -> bool:
+        totals = dict(base)
+        for option, spec in zip(sized, specs):
+            if spec is not None:
+                for metric, change in option.delta(spec).items():
+                    if metric in totals:
+                        totals[metric] += change
+        return all(totals[m] <= cap for m, cap in limits.items())
+
+    lo, hi = 0.0, 1.0 / MIN_COMPRESSION
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(specs_at(mid)) else (lo, mid)
+    for option, spec in zip(sized, specs_at(lo)):
+        if spec is None:  # not even the most blocks fit: the budget check then says so
+            continue
+        option.in_modes, option.out_modes = spec.in_modes, spec.out_modes
+        option.fixed = spec
 
 
 def block_place(name: str) -> str:

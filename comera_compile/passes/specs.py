@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from comera_compile.formats import (
+    BTT,
     COLA,
     LOWRANK,
+    MONARCH,
     TT,
     TT_CHAINS,
     TTM,
@@ -24,13 +26,17 @@ from comera_compile.formats import (
     ttm_linear_macs,
     ttm_params,
 )
+from comera_compile.formats.btt import btt_params
+from comera_compile.formats.monarch import monarch_params
 from comera_compile.passes.candidates import Candidate
 
-LINEAR_FORMATS = (TT, TTM, LOWRANK, COLA)
+LINEAR_FORMATS = (TT, TTM, LOWRANK, COLA, BTT, MONARCH)
+BLOCK_FORMATS = (BTT, MONARCH)  # two block-diagonal factors, a fixed forward of two bmm
 
 
 def check_format(fmt: str, name: str = "format") -> None:
-    """``fmt`` must name a Linear format: ``"tt"``, ``"ttm"``, ``"lowrank"`` or ``"cola"``."""
+    """``fmt`` must name a Linear format: ``"tt"``, ``"ttm"``, ``"lowrank"``, ``"cola"``,
+    ``"btt"`` or ``"monarch"``."""
     if fmt not in LINEAR_FORMATS:
         raise ValueError(f"{name} must be one of {LINEAR_FORMATS}, got {fmt!r}")
 
@@ -65,6 +71,12 @@ class LayerSpec:
 
     @property
     def chain_dims(self) -> list[int]:
+        """The sizes whose matricizations cap each rank: a BTT's bond is capped by its
+        blocks' ``(m0, n1)``; Monarch has no bond (one dim: no rank to choose)."""
+        if self.format == BTT:
+            return [self.in_modes[1], self.out_modes[1]]
+        if self.format == MONARCH:
+            return [self.in_features * self.out_features]
         if self.format in TT_CHAINS:
             return [*self.in_modes, *self.out_modes]
         return [m * n for m, n in zip(self.in_modes, self.out_modes)]
@@ -72,7 +84,11 @@ class LayerSpec:
     @property
     def params(self) -> int:
         """Cores + gates + bias: exactly the built layer's parameter count."""
-        if self.format in TT_CHAINS:
+        if self.format == BTT:
+            cores = btt_params(self.in_modes, self.out_modes, self.ranks[1])
+        elif self.format == MONARCH:
+            cores = monarch_params(self.in_modes, self.out_modes)
+        elif self.format in TT_CHAINS:
             cores = tt_linear_params(self.in_modes, self.out_modes, self.ranks)
         elif self.format == TTM:  # cores are (r, out mode, in mode, r)
             cores = ttm_params(self.out_modes, self.in_modes, self.ranks)
@@ -82,6 +98,8 @@ class LayerSpec:
 
     def macs(self, rows: int, calls: int = 1) -> int:
         """Forward multiply-adds for ``rows`` input rows over ``calls`` calls."""
+        if self.format in BLOCK_FORMATS:  # every core entry once per row
+            return rows * self.macs_per_row()
         if self.format in TT_CHAINS:
             per_row = tt_linear_macs(1, self.in_modes, self.out_modes, self.ranks, False)
             merge = tt_linear_macs(0, self.in_modes, self.out_modes, self.ranks, True)
@@ -92,6 +110,10 @@ class LayerSpec:
 
     def macs_per_row(self) -> int:
         """Multiply-adds per input row, leaving out batch-independent core merges."""
+        if self.format == BTT:
+            return btt_params(self.in_modes, self.out_modes, self.ranks[1])
+        if self.format == MONARCH:
+            return monarch_params(self.in_modes, self.out_modes)
         if self.format in TT_CHAINS:
             return tt_linear_macs(1, self.in_modes, self.out_modes, self.ranks, False)
         return self.macs(1)

@@ -16,7 +16,8 @@ from typing import Any
 
 from torch import nn
 
-CONFIG_KEYS = ("format", "ranks", "in_modes", "out_modes", "row_modes", "col_modes", "order")
+CONFIG_KEYS = ("format", "ranks", "in_modes", "out_modes", "row_modes", "col_modes", "order",
+               "blocks")
 
 Names = str | Sequence[str] | None
 

@@ -47,6 +47,8 @@ class GateBank:
     def __init__(self, model: nn.Module) -> None:
         self.names, self.layers = [], []
         for name, layer in tensorized_layers(model).items():
+            if not layer.gates:  # no rank to adapt (Monarch): its parameters are fixed
+                continue
             self.names.append(name)
             self.layers.append(layer)
         # bond b of the flat order belongs to layer self.bond_layer[b], position self.bond_k[b]

@@ -32,7 +32,8 @@ def model_size(
     seen: set[int] = set()
     size = 0
     for name, layer in tensorized_layers(model).items():
-        params = layer.num_core_parameters(ranks[name]) + sum(ranks[name][1:-1])
+        at = ranks.get(name, layer.ranks)  # a layer without gates keeps its ranks
+        params = layer.num_core_parameters(at) + sum(at[1:-1])
         size += params * (layer.cores[0].element_size() if in_bytes else 1)
         seen.update(id(p) for p in (*layer.cores, *layer.gates))
     for p in model.parameters():
@@ -48,5 +49,5 @@ def tensorized_compression(model: nn.Module, ranks: dict[str, list[int]] | None 
     ranks = effective_ranks_by_layer(model) if ranks is None else ranks
     layers = tensorized_layers(model).items()
     dense = sum(layer.dense_parameters for _, layer in layers)
-    cores = sum(layer.num_core_parameters(ranks[name]) for name, layer in layers)
+    cores = sum(layer.num_core_parameters(ranks.get(name, layer.ranks)) for name, layer in layers)
     return dense / cores if cores else 1.0
