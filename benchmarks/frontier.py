@@ -100,9 +100,11 @@ def available_formats() -> set[str]:
     return set(LINEAR_FORMATS)
 
 
-def plan_rows(args) -> list[str]:
+def plan_rows(args, notes: list[str] | None = None) -> list[str]:
     """The rows to run: every dense width, then each format at each matched width (the
-    default first, so a named format that is the default's own can be skipped)."""
+    default first, so a named format that is the default's own can be skipped); what is
+    left out is printed and added to ``notes``."""
+    notes = [] if notes is None else notes
     if args.rows:
         return [r.strip() for r in args.rows.split(",") if r.strip()]
     floats = lambda s: [float(w) for w in s.split(",") if w.strip()]  # noqa: E731
@@ -110,8 +112,9 @@ def plan_rows(args) -> list[str]:
     have = available_formats()
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
         if fmt != "default" and fmt not in have:
-            print(f"format {fmt!r} is not in this package ({', '.join(sorted(have))}): "
-                  "its rows are skipped")
+            notes.append(f"format {fmt!r} is not in this package "
+                         f"({', '.join(sorted(have))}): its rows are skipped")
+            print(notes[-1])
             continue
         rows += [f"{fmt}@{w:g}" for w in floats(args.match)]
     return rows
@@ -364,9 +367,10 @@ def lock(path: str | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_rows(args, rows: list[str], json_path: Path) -> dict:
+def run_rows(args, rows: list[str], json_path: Path, notes: list[str]) -> dict:
     """Run each row in a process of its own; keep (``--resume``) rows a same-setup run of
-    this script already left in ``json_path``."""
+    this script already left in ``json_path``. A row that fails is left out, its error's
+    last line added to ``notes``."""
     results, dates = {}, {}
     if args.resume and json_path.exists():
         old = json.loads(json_path.read_text())
@@ -382,7 +386,8 @@ def run_rows(args, rows: list[str], json_path: Path) -> dict:
         kind, width = parse_row(row)
         default = results.get(f"default@{width:g}")
         if default and default["formats"] == [kind]:
-            print(f"{row}: skipped, the default at this budget is already {kind}")
+            notes.append(f"{row}: not run, the default at this budget is already {kind}")
+            print(notes[-1])
             continue
         cmd = [sys.executable, __file__, *args.argv, "--row", row]
         t0 = time.time()
@@ -390,7 +395,10 @@ def run_rows(args, rows: list[str], json_path: Path) -> dict:
             out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             print(out.stderr[-3000:])
-            raise SystemExit(f"row {row} failed")
+            last = (out.stderr.strip().splitlines() or ["no message"])[-1]
+            notes.append(f"{row}: failed, left out: {last[:300]}")
+            print(notes[-1])
+            continue
         results[row] = json.loads(out.stdout.strip().splitlines()[-1])
         dates[row] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         r = results[row]
@@ -398,10 +406,24 @@ def run_rows(args, rows: list[str], json_path: Path) -> dict:
               f"{r['train_mb']:.0f} MB, val {r['curve'][-1][2]:.3f} bpb "
               f"({time.time() - t0:.0f} s)", flush=True)
         if not args.no_write:  # after every row, so a stopped run keeps what it measured
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(
-                {"setup": setup_key(args), "dates": dates, "rows": results}, indent=1))
+            save_rows(args, json_path, {row: results[row]}, {row: dates[row]})
     return results
+
+
+def save_rows(args, json_path: Path, rows: dict, dates: dict) -> None:
+    """Add ``rows`` to the raw curves file, keeping the rows of the same setup already there
+    (another run of this script may be adding its own)."""
+    saved = {"setup": setup_key(args), "dates": {}, "rows": {}}
+    if json_path.exists():
+        old = json.loads(json_path.read_text())
+        if old.get("setup") == saved["setup"]:
+            saved = old
+    saved["rows"].update(rows)
+    saved["dates"].update(dates)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved, indent=1))
+    tmp.replace(json_path)
 
 
 def label(row: str, r: dict) -> str:
@@ -556,14 +578,24 @@ def plot(results: dict, img_dir: Path, name: str) -> list[Path]:
 
 
 def race(args) -> None:
-    rows = plan_rows(args)
+    notes: list[str] = []
+    rows = plan_rows(args, notes)
     json_path = Path(args.json) if args.json else RESULTS_DIR / f"{args.results_name}.json"
-    results = run_rows(args, rows, json_path)
+    results = run_rows(args, rows, json_path, notes)
+    if not results:
+        raise SystemExit("no row ran")
     text, _ = report(args, results)
+    if notes:
+        text += "\n\nLeft out:\n" + "\n".join(f"  {n}" for n in notes)
     print(text)
     if args.no_write:
         return
     setup = setup_line(args, list(results))
+    dates = json.loads(json_path.read_text()).get("dates", {}) if json_path.exists() else {}
+    ran = sorted(d for r, d in dates.items() if r in results)
+    if ran:
+        held = ", each holding the benchmark lock" if args.lock else ""
+        setup += f" Rows ran from {ran[0]} to {ran[-1]}{held}."
     body = (setup + "\n\n```\n" + text + "\n```\n\nRaw curves (step, seconds, bpb) and each "
             f"row's date: `benchmarks/results/{json_path.name}`.\n")
     print("wrote", write_results(args.results_name, "Pretraining frontier", body,
