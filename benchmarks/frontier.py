@@ -384,6 +384,9 @@ def run_rows(args, rows: list[str], json_path: Path, notes: list[str]) -> dict:
         if row in results:
             continue
         kind, width = parse_row(row)
+        if args.report_only:
+            notes.append(f"{row}: not run")
+            continue
         default = results.get(f"default@{width:g}")
         if default and default["formats"] == [kind]:
             notes.append(f"{row}: not run, the default at this budget is already {kind}")
@@ -439,13 +442,14 @@ def report(args, results: dict) -> tuple[str, bool]:
     """The tables and the verdict, as printed and written."""
     rows_table = []
     for row, r in results.items():
-        rows_table.append([label(row, r), f"{r['params']:,}", f"{r['s_per_step']:.3f}",
-                           f"{r['curve'][-1][1]:.0f}", f"{r['train_mb']:.0f}",
+        rows_table.append([label(row, r), f"{r['params']:,}", f"{r['median_step_s']:.3f}",
+                           f"{r['s_per_step']:.3f}", f"{r['s_per_step'] * args.steps:.0f}",
+                           f"{r['train_mb']:.0f}",
                            fmt(value_at_step(r["curve"], args.early_step)),
                            fmt(r["curve"][-1][2])])
     text = "Rows (held-out bits per byte):\n\n" + text_table(
-        ["row", "params", "s/step", "train s", "train MB", f"bpb @{args.early_step}",
-         f"bpb @{args.steps}"], rows_table, right=range(1, 7))
+        ["row", "params", "median s/step", "mean s/step", "train s", "train MB",
+         f"bpb @{args.early_step}", f"bpb @{args.steps}"], rows_table, right=range(1, 8))
 
     ends = sorted({r["curve"][-1][1] for r in results.values()})
     front = [[f"{t:.0f}", d, fmt(dv), c, fmt(cv), fmt(cv - dv)]
@@ -515,8 +519,17 @@ def setup_line(args, rows: list[str]) -> str:
             f"every {args.eval_every} steps), one process per row. Widths ({widths}). "
             f"Compressed rows: optimize(budget=the dense row's parameter count, "
             f"compile={args.compile!r}), trained with param_groups(model, lr={args.lr}). "
-            "Seconds are training seconds (evaluations left out). Training memory: peak RSS "
-            "from just before the model is built to the end of training, minus the RSS then.")
+            f"{CLOCKS[args.clock]} Training memory: peak RSS from just before the model is "
+            "built to the end of training, minus the RSS then.")
+
+
+CLOCKS = {
+    "median": "Seconds (the frontier's clock): steps x the row's median training step "
+              "(evaluations left out), so that a burst of other load on the shared machine, "
+              "which slows some of a row's steps, does not move the row; the measured "
+              "seconds are the 'train s' column and the raw curves.",
+    "elapsed": "Seconds: measured training seconds (evaluations left out).",
+}
 
 
 def plot(results: dict, img_dir: Path, name: str) -> list[Path]:
@@ -577,13 +590,24 @@ def plot(results: dict, img_dir: Path, name: str) -> list[Path]:
     return paths
 
 
+def retimed(results: dict, clock: str) -> dict:
+    """The rows with their curves on the clock the report uses: ``"elapsed"``, the measured
+    training seconds; ``"median"``, each step at the row's median step time, which a burst
+    of other load on a shared machine (slowing some of a row's steps) leaves alone."""
+    if clock == "elapsed":
+        return results
+    return {row: dict(r, curve=[(s, s * r["median_step_s"], v) for s, _, v in r["curve"]])
+            for row, r in results.items()}
+
+
 def race(args) -> None:
     notes: list[str] = []
     rows = plan_rows(args, notes)
     json_path = Path(args.json) if args.json else RESULTS_DIR / f"{args.results_name}.json"
-    results = run_rows(args, rows, json_path, notes)
-    if not results:
+    measured = run_rows(args, rows, json_path, notes)
+    if not measured:
         raise SystemExit("no row ran")
+    results = retimed(measured, args.clock)
     text, _ = report(args, results)
     if notes:
         text += "\n\nLeft out:\n" + "\n".join(f"  {n}" for n in notes)
@@ -684,6 +708,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                    help="after the warm-up")
+    p.add_argument("--clock", choices=("median", "elapsed"), default="median",
+                   help="the frontier's seconds: steps x the row's median step time, or the "
+                        "measured training seconds (on a machine of steady load the two agree)")
     p.add_argument("--budget", type=float, default=0.25, help="--gpu: the default's budget")
     p.add_argument("--compile", action="store_true",
                    help="compressed rows with optimize's measured compile (default: eager)")
@@ -705,6 +732,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "time between rows)")
     p.add_argument("--resume", action="store_true",
                    help="keep rows of the same setup already in the JSON file")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: report the rows of the JSON file (with --resume)")
     p.add_argument("--results-name", default=None,
                    help="results/NAME.md and .json (default frontier, --gpu frontier_cuda)")
     p.add_argument("--json", default=None, help="raw curves file (default results/NAME.json)")
@@ -725,6 +754,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.bf16 = args.gpu if args.bf16 is None else args.bf16
     args.results_name = args.results_name or ("frontier_cuda" if args.gpu else "frontier")
     args.corpus_name = corpus_name(args)
+    args.resume = args.resume or args.report_only
     if args.eval_every < 1 or args.steps < 1:
         raise SystemExit("--steps and --eval-every must be at least 1")
     if args.hidden % args.heads:

@@ -78,6 +78,14 @@ def test_verdict_compares_each_compressed_row_with_the_dense_frontier_at_its_end
     assert not wins and rows[0][3] == "dense@1"  # dense@1 is at 2.5 by 150 s
 
 
+def test_the_median_clock_puts_each_step_at_the_rows_median_step(frontier):
+    bursty = {"r": dict(row([(0, 0.0, 8.0), (100, 400.0, 3.0), (200, 450.0, 2.0)]),
+                        median_step_s=0.5)}
+    assert frontier.retimed(bursty, "median")["r"]["curve"] == [
+        (0, 0.0, 8.0), (100, 50.0, 3.0), (200, 100.0, 2.0)]
+    assert frontier.retimed(bursty, "elapsed") is bursty
+
+
 def test_dense_widths_keep_depth_and_head_width(frontier):
     args = frontier.parse_args([])
     assert (args.layers, args.hidden, args.ffn, args.heads, args.seq, args.batch,
@@ -113,14 +121,14 @@ def test_gpu_flag_presets_the_60m_shape(frontier):
 
 def run(args: list[str]) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, str(FRONTIER), *args], capture_output=True,
-                         text=True, cwd=ROOT, timeout=300)
+                         text=True, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
 
 def test_the_race_end_to_end_at_a_tiny_shape(tmp_path):
-    out = run([*TINY, "--rows", "dense@1,default@0.5", "--json", str(tmp_path / "f.json"),
-               "--img-dir", str(tmp_path), "--results-name", "tiny"])
+    run([*TINY, "--rows", "dense@1,default@0.5", "--json", str(tmp_path / "f.json"),
+        "--img-dir", str(tmp_path), "--results-name", "tiny"])
     raw = json.loads((tmp_path / "f.json").read_text())
     dense, default = raw["rows"]["dense@1"], raw["rows"]["default@0.5"]
     assert [p[0] for p in dense["curve"]] == [0, 3, 6]
@@ -132,9 +140,10 @@ def test_the_race_end_to_end_at_a_tiny_shape(tmp_path):
     assert "Equal parameters" not in text  # no dense row of default@0.5's size ran
     assert (tmp_path / "tiny_time.png").stat().st_size > 1000
     assert (tmp_path / "tiny_memory.png").stat().st_size > 1000
-    again = run([*TINY, "--rows", "dense@1", "--json", str(tmp_path / "f.json"), "--resume",
-                 "--img-dir", str(tmp_path), "--results-name", "tiny"])
+    again = run([*TINY, "--rows", "dense@1,dense@0.5", "--json", str(tmp_path / "f.json"),
+                 "--report-only", "--img-dir", str(tmp_path), "--results-name", "tiny"])
     assert "reusing 1 rows" in again.stdout  # nothing ran again
+    assert "dense@0.5: not run" in (tmp_path / "tiny.md").read_text()
 
 
 def test_the_gpu_form_runs_on_the_cpu_at_a_tiny_shape(tmp_path):
