@@ -308,6 +308,10 @@ def _optimize(model: nn.Module, config: CompressionConfig, example_inputs: Any,
     )
     report.config = config.to_dict()
     attach_report(target, report)
+    if config.recompute == "bonds":
+        from comera_compile.compile.bond_recompute import recompute_bonds
+
+        recompute_bonds(target)
     if compile_result:  # in place (nn.Module.compile), so the result stays the user's class
         from comera_compile.compile import compile_model  # imports inductor: on demand
 

@@ -34,6 +34,10 @@ from comera_compile.passes.report import report_of
 from comera_compile.passes.targets import check_layer_config
 from comera_compile.planner import parse_objective
 
+RECOMPUTE_MODES = (None, "bonds")
+"""``CompressionConfig.recompute`` settings: None (autograd keeps what it keeps) or
+``"bonds"`` (each block keeps its input and its layers' bonds, ``compile.bond_recompute``)."""
+
 HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 """``host_memory`` settings: ``"off"`` (the default) changes nothing; the others are
 process-wide (``comera_compile.compile.host_memory``)."""
@@ -227,6 +231,11 @@ class CompressionConfig:
     (``True``: then time the first training and inference steps compiled against eager and
     keep the faster, so compiling never leaves a model slower; ``"always"``: keep it
     compiled without timing; ``False``: eager).
+    ``recompute``: ``"bonds"`` runs each block of the model's stacks (a transformer's layers)
+    under a checkpoint that keeps only the block's input and its CoLA layers' rank-wide bonds
+    and recomputes the rest of the block in backward, as CoLA-M does (less training memory
+    for about one more forward of each block's wide half; ``compile.bond_recompute``); None
+    keeps what autograd keeps.
     """
 
     budget: float | int | str | Budget | None = None
@@ -242,9 +251,13 @@ class CompressionConfig:
     device: str = "cpu"
     compile: bool | str = True
     compile_options: CompileOptions = field(default_factory=CompileOptions)
+    recompute: str | None = None
 
     def __post_init__(self) -> None:
         check_init(self.init)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got "
+                             f"{self.recompute!r}")
         if self.format not in (None, AUTO):
             check_format(self.format)
         if self.max_rank is not None:
