@@ -384,13 +384,13 @@ def run_rows(args, rows: list[str], json_path: Path, notes: list[str]) -> dict:
         if row in results:
             continue
         kind, width = parse_row(row)
-        if args.report_only:
-            notes.append(f"{row}: not run")
-            continue
         default = results.get(f"default@{width:g}")
         if default and default["formats"] == [kind]:
             notes.append(f"{row}: not run, the default at this budget is already {kind}")
             print(notes[-1])
+            continue
+        if args.report_only:
+            notes.append(f"{row}: not run")
             continue
         cmd = [sys.executable, __file__, *args.argv, "--row", row]
         t0 = time.time()
@@ -486,7 +486,8 @@ def report(args, results: dict) -> tuple[str, bool]:
     lines = [f"  {row}: ends at {end:.0f} s with {final:.3f} bpb; best dense then {d} at "
              f"{dv:.3f} ({gap:+.3f})" for row, end, final, d, dv, gap in per_row]
     if not per_row:
-        verdict = "Verdict: no compressed rows and dense rows to compare."
+        verdict = ("Verdict: none yet: this run has no compressed row to set against a dense "
+                   "one.")
     elif wins:
         best = per_row[0]
         verdict = (f"Verdict: a compressed configuration wins on the wall-clock frontier: "
@@ -497,8 +498,10 @@ def report(args, results: dict) -> tuple[str, bool]:
         verdict = (f"Verdict: no compressed configuration beats the best dense model at equal "
                    f"wall clock. The closest, {best[0]}, ends at {best[1]:.0f} s {best[5]:.3f} "
                    f"bpb above the best dense model at that time ({best[3]}).")
-    text += ("\n\nEach compressed row against the dense frontier at its own end time:\n\n"
-             + "\n".join(lines) + "\n\n" + verdict)
+    if lines:
+        text += ("\n\nEach compressed row against the dense frontier at its own end time:\n\n"
+                 + "\n".join(lines))
+    text += "\n\n" + verdict
     return text, wins
 
 
@@ -532,7 +535,7 @@ CLOCKS = {
 }
 
 
-def plot(results: dict, img_dir: Path, name: str) -> list[Path]:
+def plot(results: dict, img_dir: Path, name: str, clock: str = "elapsed") -> list[Path]:
     """bpb against seconds (both frontiers bold, every row faint) and bpb against MB."""
     import matplotlib
 
@@ -563,7 +566,8 @@ def plot(results: dict, img_dir: Path, name: str) -> list[Path]:
     finals = [r["curve"][-1][2] for r in results.values()]
     top = max(v for f in front[len(front) // 20:] for v in (f[2], f[4]) if not math.isnan(v))
     ax.set_ylim(min(finals) - 0.05, top + 0.05)
-    ax.set_xlabel("training seconds")
+    ax.set_xlabel("training seconds" + (" (steps x the row's median step time)"
+                                         if clock == "median" else ""))
     ax.set_ylabel("held-out bits per byte")
     ax.set_title("Pretraining frontier: best bpb reached by each second")
     ax.legend()
@@ -620,12 +624,15 @@ def race(args) -> None:
     if ran:
         held = ", each holding the benchmark lock" if args.lock else ""
         setup += f" Rows ran from {ran[0]} to {ran[-1]}{held}."
+    if args.report_only:
+        setup += (" This report reads the rows from the raw curves file; each row ran earlier, "
+                  "in a process of its own, by this script with --rows and --resume.")
     body = (setup + "\n\n```\n" + text + "\n```\n\nRaw curves (step, seconds, bpb) and each "
             f"row's date: `benchmarks/results/{json_path.name}`.\n")
     print("wrote", write_results(args.results_name, "Pretraining frontier", body,
                                  out_dir=json_path.parent))
     if not args.no_plot:
-        for path in plot(results, Path(args.img_dir), args.results_name):
+        for path in plot(results, Path(args.img_dir), args.results_name, args.clock):
             print("plot:", path)
 
 

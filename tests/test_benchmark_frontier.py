@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,12 @@ def test_the_gpu_form_runs_on_the_cpu_at_a_tiny_shape(tmp_path):
     assert any(line.startswith("dense ") for line in lines)
     assert any(line.startswith("default (") for line in lines)
     assert "tokens/s" in out.stdout and "speed vs dense" in out.stdout
+
+
+def test_the_readme_pretraining_numbers_are_the_frontier_files():
+    readme = (ROOT / "README.md").read_text()
+    part = readme.split("## Results", 1)[1].split("\nMore:", 1)[0]
+    assert "benchmarks/results/frontier.md" in part
+    results = (ROOT / "benchmarks" / "results" / "frontier.md").read_text()
+    for number in re.findall(r"\d+\.\d+|\d{2,}", part):
+        assert number in results, number

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-NARROW_DENSE_WINS = True
+NARROW_DENSE_WINS = False
 """The frontier's verdict: True when no compressed format beat the best dense model at
 equal wall clock (a test reads ``benchmarks/results/frontier.md`` to keep the two in step)."""
 
