@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-NARROW_DENSE_WINS = False
+NARROW_DENSE_WINS = True
 """The frontier's verdict: True when no compressed format beat the best dense model at
 equal wall clock (a test reads ``benchmarks/results/frontier.md`` to keep the two in step)."""
 
@@ -27,5 +27,5 @@ def narrow_dense_advice(init: str | None, params_before: int, params_after: int)
     width = math.sqrt(params_after / params_before)
     return (f"training from scratch, a dense model of the same depth at about {width:.2f}x the "
             f"width ({params_after:,} parameters, as many as this one) is the better buy: in the "
-            "pretraining frontier (benchmarks/frontier.py) no compressed format reached a lower "
-            "held-out loss than the best dense width at equal training time")
+            "pretraining frontier (benchmarks/frontier.py) no compressed row that ran reached a "
+            "lower held-out loss than the best dense width at equal training time")
