@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA path on a machine with a GPU, in one go: the CUDA tests, the six-encoder step
-# benchmark (dense, CoMERA eager and compiled) and compiled against eager
-# on four models (CUDA Graphs on). Logs go to $LOGS (default: a temporary folder); the
-# compiled-vs-eager table is written to benchmarks/results/compiled_cuda.md as usual.
+# benchmark (dense, CoMERA eager and compiled), compiled against eager
+# on four models (CUDA Graphs on) and the pretraining race at the 60M shape (dense and the
+# default, eager and compiled, bf16; benchmarks/results/frontier_cuda.md). Logs go to $LOGS
+# (default: a temporary folder); the compiled-vs-eager table is written to
+# benchmarks/results/compiled_cuda.md as usual.
 #
 #     bash benchmarks/cuda_checks.sh
 set -uo pipefail
@@ -24,3 +26,6 @@ timeout 240 "$PY" benchmarks/compiled.py --device cuda --threads 8 --steps 10 \
     --models llama,gpt2,sdpa-encoder,encoder --results-name compiled_cuda 2>&1 \
     | tee "$LOGS/compiled.log" | tail -25
 cp benchmarks/results/compiled_cuda.md "$LOGS/" 2>/dev/null || true
+echo "== pretraining race at the 60M shape (bf16)"
+timeout 480 "$PY" benchmarks/frontier.py --gpu 2>&1 | tee "$LOGS/frontier.log" | tail -25
+cp benchmarks/results/frontier_cuda.md "$LOGS/" 2>/dev/null || true

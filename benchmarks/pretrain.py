@@ -105,6 +105,12 @@ def load_corpus(root: Path, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     return as_tensor(train), as_tensor(val)
 
 
+def corpus_label(path: str) -> str:
+    """How results name a corpus: never a path of the machine that ran them."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return "Python stdlib" if Path(path) == stdlib else Path(path).name
+
+
 def batch(data: torch.Tensor, size: int, seq: int, gen: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, data.numel() - seq - 1, (size,), generator=gen)
     return torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
@@ -418,7 +424,7 @@ def race(args) -> None:
              f"heads), byte vocabulary, sequence {args.seq}, batch {args.batch}, {args.steps} "
              f"AdamW steps ({args.warmup} warm-up, {args.schedule}), lr {args.lr}, budget "
              f"{args.budget} (rank-adaptive rows start at {args.start_factor:g}x it), "
-             f"corpus {args.corpus_name or args.corpus}; equal wall clock = the "
+             f"corpus {args.corpus_name or corpus_label(args.corpus)}; equal wall clock = the "
              f"{clock_row} row's training time ({clock:.0f} s); one process per row.")
     body = setup + "\n\n```\n" + text + "\n```\n\ncurves (step, seconds, val bpb):\n\n```\n"
     body += "\n".join(f"{row}: {json.dumps(r['curve'])}" for row, r in results.items())

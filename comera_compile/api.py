@@ -65,7 +65,12 @@ def optimize(
 
 
 def _compiled(target: nn.Module, config: CompressionConfig) -> nn.Module:
-    """``target`` compiled in place as ``config.compile`` says (the class is kept)."""
+    """``target`` compiled in place as ``config.compile`` says (the class is kept), its
+    blocks first wrapped for bond recomputation where ``config.recompute`` asks for it."""
+    if config.recompute == "bonds":
+        from comera_compile.compile.bond_recompute import recompute_bonds
+
+        recompute_bonds(target)
     if config.compile:
         from comera_compile.compile import compile_model  # imports inductor: on demand
 

@@ -36,6 +36,10 @@ from comera_compile.passes.report import report_of
 from comera_compile.passes.targets import check_layer_config
 from comera_compile.planner import parse_objective
 
+RECOMPUTE_MODES = (None, "bonds")
+"""``CompressionConfig.recompute`` settings: None (autograd keeps what it keeps) or
+``"bonds"`` (each block keeps its input and its layers' bonds, ``compile.bond_recompute``)."""
+
 HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 """``host_memory`` settings: ``"off"`` (the default) changes nothing; the others are
 process-wide (``comera_compile.compile.cpu.host_memory``)."""
@@ -297,6 +301,11 @@ class CompressionConfig:
     example ids are skewed enough to pay and none where they are close to uniform, a number
     in ``[0, 1)`` that share to every such table (0: none). ``cache_warmup``: training
     batches whose ids are counted before each cache's rows are chosen and fixed.
+    ``recompute``: ``"bonds"`` runs each block of the model's stacks (a transformer's layers)
+    under a checkpoint that keeps only the block's input and its CoLA layers' rank-wide bonds
+    and recomputes the rest of the block in backward, as CoLA-M does (less training memory
+    for about one more forward of each block's wide half; ``compile.bond_recompute``); None
+    keeps what autograd keeps.
     """
 
     budget: float | int | str | Budget | None = None
@@ -316,9 +325,13 @@ class CompressionConfig:
     compile_options: CompileOptions = field(default_factory=CompileOptions)
     row_cache: float | str = "auto"
     cache_warmup: int = DEFAULT_WARMUP
+    recompute: str | None = None
 
     def __post_init__(self) -> None:
         check_init(self.init)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got "
+                             f"{self.recompute!r}")
         if self.row_cache != "auto" and (
                 isinstance(self.row_cache, bool) or not isinstance(self.row_cache, (int, float))
                 or not 0 <= self.row_cache < 1):

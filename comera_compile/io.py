@@ -46,6 +46,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from comera_compile.config import config_of
 from comera_compile.formats import TT_EMBEDDING
 from comera_compile.nn import (
     LayoutMismatchError,
@@ -821,4 +822,15 @@ def load(
     report = _loaded_report(manifest, target)
     if report is not None:
         attach_report(target, report)
+        _recompute_as_saved(target)
     return returned
+
+
+def _recompute_as_saved(model: nn.Module) -> None:
+    """Bond recomputation on a loaded model whose saved configuration asks for it (it is a
+    wrapper of the blocks' forwards, which no weight file holds)."""
+    config = config_of(model)
+    if config is not None and config.recompute == "bonds":
+        from comera_compile.compile.bond_recompute import recompute_bonds
+
+        recompute_bonds(model)

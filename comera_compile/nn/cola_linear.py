@@ -6,6 +6,14 @@ putting the activation function between the two factors of a low-rank layer lets
 full-rank pretraining at about half the compute. The factors, gate, pruning and checkpoint
 layout are ``LowRankLinear``'s; only the forward differs. Because of the nonlinearity the
 layer is no linear map: it has no dense weight and trains from scratch (``init="random"``).
+
+**What backward keeps.** Plain autograd would keep the bond three times (``x U`` for the
+SiLU, ``silu(x U)`` for the gate, the gated bond for ``V``'s gradient). The layer's own
+backward (:class:`_CoLAProduct`) keeps the input and the pre-activation bond ``z = x U``
+only, and remakes ``silu(z)`` and the gated bond from ``z`` (two rank-wide pointwise passes,
+as CoLA-M does). The bond product is the op :func:`bond_product`, so a selective
+checkpoint can tell it apart from every other matmul and keep exactly it
+(``compile.bond_recompute``).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from comera_compile.formats import COLA
 from comera_compile.nn.base import output_dtype
@@ -21,10 +30,64 @@ from comera_compile.nn.lowrank_linear import LowRankLinear
 from comera_compile.planner.alignment import bond_padding, pad_bond
 
 
+@torch.library.custom_op("comera::bond_product", mutates_args=())
+def bond_product(x: Tensor, u: Tensor) -> Tensor:
+    """``x @ u`` for a 2-d ``x`` and the rank-wide factor ``u``: the bond of a CoLA layer, as
+    an op of its own so that a checkpoint policy can name it (``compile.bond_recompute``)."""
+    return x @ u
+
+
+@bond_product.register_fake
+def _(x: Tensor, u: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], u.shape[1]))
+
+
+def _bond_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _bond_backward(ctx, grad: Tensor):
+    x, u = ctx.saved_tensors
+    return grad @ u.mT, x.mT @ grad
+
+
+bond_product.register_autograd(_bond_backward, setup_context=_bond_setup)
+
+
+class _CoLAProduct(torch.autograd.Function):
+    """``silu(x U) diag(gate) V`` for a 2-d ``x``, keeping ``x`` and ``z = x U`` for backward
+    (module docstring); the factors and the gate are parameters, kept anyway."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, u: Tensor, gate: Tensor, v: Tensor) -> Tensor:
+        z = bond_product(x, u)
+        ctx.save_for_backward(x, z, u, gate, v)
+        return (F.silu(z) * gate) @ v
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: Tensor):
+        x, z, u, gate, v = ctx.saved_tensors
+        need_x, need_u, need_gate, need_v = ctx.needs_input_grad
+        s = F.silu(z)
+        dv = (s * gate).mT @ dy if need_v else None
+        dh = dy @ v.mT
+        dgate = (dh * s).sum(0) if need_gate else None
+        dz = torch.ops.aten.silu_backward(dh * gate, z)
+        du = x.mT @ dz if need_u else None
+        dx = dz @ u.mT if need_x else None
+        return dx, du, dgate, dv
+
+
 class CoLALinear(LowRankLinear):
     """``nn.Linear`` replacement ``x -> silu(x U) diag(gate) V + b``, rank-gated on its bond."""
 
     format = COLA
+    keeps_bond = False
+    """Set by ``compile.bond_recompute`` on the layers of a recomputed block: a compiled graph
+    then computes the bond as :func:`bond_product`, which the checkpoint policy keeps
+    (eager always does; a compiled graph otherwise keeps plain matmuls, which the compiler's
+    own passes join and orient)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
@@ -42,8 +105,14 @@ class CoLALinear(LowRankLinear):
             (u, v), gate = pad_bond(u, v, extra), F.pad(gate, (0, extra))
         u = u.reshape(self.in_features, -1).to(dtype)
         v = v.reshape(-1, self.out_features).to(dtype)
-        h = F.silu(x.to(dtype) @ u) * gate.to(dtype)
-        y = h @ v
+        x, gate = x.to(dtype), gate.to(dtype)
+        if torch.compiler.is_compiling():  # the compiler picks what to keep for backward
+            z = bond_product(x.reshape(-1, self.in_features), u).reshape(
+                *x.shape[:-1], -1) if self.keeps_bond else x @ u
+            y = (F.silu(z) * gate) @ v
+        else:
+            rows = x.reshape(-1, self.in_features)
+            y = _CoLAProduct.apply(rows, u, gate, v).reshape(*x.shape[:-1], self.out_features)
         return y + self.bias.to(dtype) if self.bias is not None else y
 
     forward_fixed_order = forward

@@ -15,6 +15,7 @@ from torch import nn
 
 from comera_compile.compile.state import compiled_state
 from comera_compile.nn import TensorizedLayer, TiedEmbeddingHead, TTEmbedding
+from comera_compile.passes.advice import narrow_dense_advice
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
 from comera_compile.passes.spectra import relative_error
@@ -203,7 +204,8 @@ def summary(model: nn.Module) -> Summary:
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
         _notes(model, report),
         compiled,
-        _advice(report, records),
+        "; ".join(a for a in (_advice(report, records), narrow_dense_advice(
+            report.init if report else None, before, after)) if a),
     )
 
 

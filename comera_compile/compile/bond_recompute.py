@@ -1,0 +1,133 @@
+"""Bond recomputation, as CoLA-M does it: per block, keep the block's input and the rank-wide
+bond of each compressed layer, and recompute the rest of the block in backward.
+
+A compressed model's parameters, gradients and optimizer state are small; what its training
+step keeps for backward is not: every block keeps its full-width activations (the attention
+scores, the MLP's wide outputs, the norms' inputs). CoLA (arXiv 2502.10940) observes that in a
+low-rank layer with an activation on its bond, the bond ``z = x U`` is narrow (rank ``r``
+against the layer's widths) and costs half the layer's multiply-adds to make, so keeping
+``z`` and remaking everything else of the block from the block's input and these bonds keeps
+little memory and repeats only the cheap half: its CoLA-M variant recomputes the block from
+exactly these checkpoints.
+
+Here each block (a member of the model's stacks, as ``compile.policy.blocks.repeated_blocks`` finds
+them; a model without stacks keeps its step as it is) runs inside a non-reentrant
+``torch.utils.checkpoint`` whose selective policy saves the output of
+:func:`~comera_compile.nn.cola_linear.bond_product` (the op CoLA layers compute their bond
+with) and of the fused attention (as narrow as the block's input, and the dearest op to
+redo; :func:`keep_bonds`) and recomputes every other op. Eager, the checkpoint keeps the
+CPU and CUDA random state of the block's forward and replays it, so a dropout draws the
+same mask again. Compiled (``torch.compile``, with inductor or the ``comera`` backend), the
+policy becomes ``recompute`` tags on the joint graph and the partitioner duplicates the
+block's ops in backward (random ops replayed from their seeds, ``compile.recompute``). Bonds
+of other formats (TT chains, plain low rank) are recomputed with the rest.
+
+A Hugging Face causal LM also gets a loss whose backward keeps no copy of the logits
+(``training.causal_loss``): past the blocks, the logits are what a step keeps most of.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from comera_compile.compile.policy.blocks import (
+    _carries_cache,
+    _takes_use_cache,
+    _without_training_cache,
+    repeated_blocks,
+)
+from comera_compile.nn import CoLALinear
+from comera_compile.nn.cola_linear import bond_product
+from comera_compile.training.causal_loss import drop_lean_causal_loss, use_lean_causal_loss
+
+_BOND_OPS = {torch.ops.comera.bond_product.default}
+_ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name)}
+
+
+def keep_bonds(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective checkpoint policy: save the bond products and the fused attentions'
+    outputs, recompute the rest. An attention's output is as narrow as the block's input
+    and the costliest op of the block to redo; and a fused attention is a random op with a
+    tuple output, which compiled graphs must save whole rather than remake (its dropout)."""
+    if op in _BOND_OPS or op in _ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_contexts = functools.partial(create_selective_checkpoint_contexts, keep_bonds)
+
+
+class RecomputedForward:
+    """A block's ``forward`` run under the bond-keeping checkpoint while grad is on. In
+    ``no_grad`` / inference it is the block's own forward, with nothing to recompute; so is a
+    call that carries a key-value cache, which the block's forward appends to (a recompute
+    would append again and see other shapes)."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or _carries_cache(args, kwargs):
+            return self.forward(*args, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, context_fn=_contexts,
+                          **kwargs)
+
+
+def _no_training_cache(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: a training call of a Hugging Face decoder builds no key-value cache
+    (``use_cache=False``, as Hugging Face's own gradient checkpointing does), so its blocks
+    recompute; the cache of a training call is never read."""
+    return args, _without_training_cache(model, kwargs)
+
+
+def recompute_bonds(model: nn.Module) -> int:
+    """Run each of ``model``'s blocks under bond recomputation (module docstring), in place,
+    and give a Hugging Face causal LM the lean loss; returns how many blocks (0: the model
+    has no stack of blocks). Calling it again changes nothing."""
+    blocks = repeated_blocks(model)
+    use_lean_causal_loss(model)
+    hooked = any(h is _no_training_cache for h in model._forward_pre_hooks.values())
+    if blocks and not hooked and _takes_use_cache(model):
+        model.register_forward_pre_hook(_no_training_cache, with_kwargs=True)
+    for block in blocks:
+        if not isinstance(block.__dict__.get("forward"), RecomputedForward):
+            block.forward = RecomputedForward(block.forward)
+        for layer in block.modules():
+            if isinstance(layer, CoLALinear):
+                layer.keeps_bond = True
+    return len(blocks)
+
+
+def stop_recomputing(model: nn.Module) -> None:
+    """Undo :func:`recompute_bonds`: every block keeps what autograd keeps again."""
+    drop_lean_causal_loss(model)
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if hook is _no_training_cache:
+            del model._forward_pre_hooks[key]
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), RecomputedForward):
+            del module.forward
+        if isinstance(module, CoLALinear):
+            module.__dict__.pop("keeps_bond", None)
+
+
+def recomputed_blocks(model: nn.Module) -> int:
+    """How many of ``model``'s modules run under bond recomputation."""
+    return sum(isinstance(m.__dict__.get("forward"), RecomputedForward) for m in model.modules())
+
+
+__all__ = ["RecomputedForward", "bond_product", "keep_bonds",
+           "recompute_bonds", "recomputed_blocks", "stop_recomputing"]

@@ -1,0 +1,55 @@
+"""The summary's advice for from-scratch models: a narrower dense model, when the pretraining
+frontier says it is the better buy, and only then."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.passes import advice
+
+FRONTIER = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "frontier.md"
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+
+def test_the_advice_names_the_parameter_matched_width(monkeypatch):
+    monkeypatch.setattr(advice, "NARROW_DENSE_WINS", True)
+    line = advice.narrow_dense_advice("random", 4_000_000, 1_000_000)
+    assert "0.50x the width" in line and "1,000,000 parameters" in line
+    assert advice.narrow_dense_advice("dense", 4_000_000, 1_000_000) == ""  # pretrained
+    assert advice.narrow_dense_advice("random", 1_000_000, 1_000_000) == ""  # nothing cut
+    monkeypatch.setattr(advice, "NARROW_DENSE_WINS", False)
+    assert advice.narrow_dense_advice("random", 4_000_000, 1_000_000) == ""
+
+
+def test_summary_gives_it_for_random_init_only(monkeypatch):
+    monkeypatch.setattr(advice, "NARROW_DENSE_WINS", True)
+    model = cc.optimize(mlp(), budget=0.25, compile=False)
+    s = cc.summary(model)
+    share = s.params_after / s.params_before
+    assert f"{share ** 0.5:.2f}x the width" in s.advice
+    assert "advice:" in str(s)
+    x = torch.randn(8, 64)
+    pretrained = cc.optimize(mlp(), budget=0.25, init="dense", example_inputs=(x,),
+                             compile=False)
+    assert "narrower" not in cc.summary(pretrained).advice
+    assert "dense model of the same depth" not in cc.summary(pretrained).advice
+    monkeypatch.setattr(advice, "NARROW_DENSE_WINS", False)
+    assert "dense model of the same depth" not in cc.summary(model).advice
+
+
+def test_the_flag_is_the_frontier_verdict():
+    if not FRONTIER.exists():
+        pytest.skip("benchmarks/results/frontier.md not written yet")
+    verdict = [line for line in FRONTIER.read_text().splitlines()
+               if line.startswith("Verdict:")]
+    assert verdict, "frontier.md has no verdict line"
+    assert advice.NARROW_DENSE_WINS == ("no compressed configuration beats" in verdict[-1])

@@ -1,0 +1,324 @@
+"""Bond recomputation (``CompressionConfig(recompute="bonds")``): recomputed blocks give the
+gradients a saved step gives, dropout included; what a step keeps, counted in bytes; CoLA's
+own backward keeps only its input and bond; the lean causal-LM loss matches Hugging Face's."""
+
+from __future__ import annotations
+
+import copy
+
+import hf_models
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.compile import bond_recompute
+from comera_compile.compile.bond_recompute import recompute_bonds, recomputed_blocks
+from comera_compile.compile.policy.blocks import repeated_blocks
+from comera_compile.nn import CoLALinear
+from comera_compile.training.causal_loss import causal_lm_loss
+
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                  "resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+
+def hf_model(name: str, dropout: float = 0.2):
+    """A tiny compressed Hugging Face model (saved: no recomputation) with dropout on."""
+    build, _, loss_fn = hf_models.HF_MODELS[name]()
+    torch.manual_seed(0)
+    dense = build()
+    for field in DROPOUT_FIELDS:  # the config's dropout as the modules read it
+        if hasattr(dense.config, field):
+            setattr(dense.config, field, dropout)
+    for module in dense.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = dropout
+        if hasattr(module, "attention_dropout") and isinstance(module.attention_dropout, float):
+            module.attention_dropout = dropout
+        if hasattr(module, "dropout") and isinstance(module.dropout, float):
+            module.dropout = dropout
+    config = cc.CompressionConfig(budget=0.3, compile=False, recompute=None)
+    model = cc.optimize(dense, config).train()
+    return model, {"input_ids": hf_models.ids((4, 24))}, loss_fn
+
+
+def gradients(model: nn.Module, inputs: dict, loss_fn, seed: int = 1):
+    torch.manual_seed(seed)
+    loss = loss_fn(model(**inputs).logits)
+    return [g for g in torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)]
+
+
+def assert_close(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_recomputed_blocks_give_the_saved_gradients_with_dropout_on(name):
+    saved, inputs, loss_fn = hf_model(name)
+    recomputed = copy.deepcopy(saved)
+    assert recompute_bonds(recomputed) == 2  # both layers of the tiny model
+    expected = gradients(saved, inputs, loss_fn)
+    assert_close(gradients(recomputed, inputs, loss_fn), expected)
+    # dropout is really on: another seed draws other masks and other gradients
+    other = gradients(saved, inputs, loss_fn, seed=2)
+    assert max((a - b).abs().max() for a, b in zip(other, expected) if a is not None) > 1e-4
+
+
+class BlockBytes:
+    """Bytes the blocks of a step keep for backward: inside a block, what autograd's
+    saved-tensor hooks see (each storage once, parameters not counted); for a recomputed
+    block, what its checkpoint holds itself instead (its input and its cached bond
+    outputs), which never passes those hooks."""
+
+    def __init__(self, model: nn.Module, monkeypatch) -> None:
+        self.storages: dict[int, int] = {}
+        self.bond_storages: list = []
+        self.inside = False
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        for block in repeated_blocks(model):
+            block.register_forward_pre_hook(lambda *a: setattr(self, "inside", True))
+            block.register_forward_hook(lambda *a: setattr(self, "inside", False))
+        original, call = bond_recompute._contexts, bond_recompute.RecomputedForward.__call__
+
+        def contexts():
+            forward_ctx, recompute_ctx = original()
+            self.bond_storages.append(forward_ctx.storage)
+            return forward_ctx, recompute_ctx
+
+        def counting_call(this, *args, **kwargs):
+            self.note(args[0] if args else kwargs["hidden_states"])  # the block's input
+            return call(this, *args, **kwargs)
+
+        monkeypatch.setattr(bond_recompute, "_contexts", contexts)
+        monkeypatch.setattr(bond_recompute.RecomputedForward, "__call__", counting_call)
+
+    def note(self, t: torch.Tensor) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+
+    def bond_bytes(self) -> int:
+        """Bytes of the outputs the checkpoints cached (an op's entry: its output, or a
+        tuple of them)."""
+        cached = [entry for storage in self.bond_storages for entries in storage.values()
+                  for entry in entries.values()]
+        flat = [e for entry in cached for e in (entry if isinstance(entry, tuple) else [entry])]
+        return sum(e.val.untyped_storage().nbytes() for e in flat
+                   if isinstance(getattr(e, "val", None), torch.Tensor))
+
+    def kept(self, forward) -> int:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if self.inside:
+                self.note(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.output = forward()
+        return sum(self.storages.values()) + self.bond_bytes()
+
+
+def test_recomputation_keeps_the_block_inputs_and_bonds_only(monkeypatch):
+    build, _, _ = hf_models.llama()
+    torch.manual_seed(0)
+    config = cc.CompressionConfig(budget=0.3, compile=False, recompute=None)
+    saved = cc.optimize(build(), config).train()
+    recomputed = copy.deepcopy(saved)
+    recompute_bonds(recomputed)
+    inputs = {"input_ids": hf_models.ids((8, 64))}
+    rows, hidden = 8 * 64, saved.config.hidden_size
+
+    saved_bytes = BlockBytes(saved, monkeypatch).kept(lambda: saved(**inputs).logits)
+    counter = BlockBytes(recomputed, monkeypatch)
+    kept = counter.kept(lambda: recomputed(**inputs).logits)
+    # exactly: each block's input, its attention's output and log-sum-exp, and one
+    # rows x rank float32 bond per CoLA layer
+    layers = [m for m in recomputed.modules() if isinstance(m, CoLALinear)]
+    bonds = sum(rows * _padded_rank(layer, rows) * 4 for layer in layers)
+    attention = rows * hidden * 4 + rows * saved.config.num_attention_heads * 4
+    assert counter.bond_bytes() == bonds + 2 * attention
+    assert kept == bonds + 2 * attention + 2 * rows * hidden * 4
+    assert kept < 0.15 * saved_bytes, (kept, saved_bytes)
+
+
+def _padded_rank(layer: CoLALinear, rows: int) -> int:
+    from comera_compile.planner.alignment import bond_padding
+
+    (extra,) = bond_padding(list(layer.cores), rows)
+    return layer.rank + extra
+
+
+def test_cola_backward_keeps_its_input_and_the_pre_activation_bond():
+    torch.manual_seed(0)
+    layer = CoLALinear(96, 160, ranks=24)
+    x = torch.randn(4, 300, 96, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    sizes: list[int] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params and t.dim() >= 2:
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    rows = 4 * 300
+    rank = _padded_rank(layer, rows)
+    # the input and z = x U: nothing else of the rows' width or the bond's
+    assert sorted(sizes)[-2:] == sorted([rows * 96 * 4, rows * rank * 4])
+    assert sum(s for s in sizes if s >= rows * 4) == rows * (96 + rank) * 4
+    # and the gradients are autograd's of the same formula
+    u, v = layer.cores
+    gate = F.hardshrink(layer.gates[0], layer.threshold)
+    reference = (F.silu(x @ u.reshape(96, -1)) * gate) @ v.reshape(-1, 160) + layer.bias
+    g = torch.randn_like(y)
+    wrt = [x, *layer.parameters()]
+    for a, b in zip(torch.autograd.grad(y, wrt, g), torch.autograd.grad(reference, wrt, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def encoder(dropout: float = 0.2):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=dropout, batch_first=True)
+    return nn.Sequential(nn.Linear(16, 64), nn.TransformerEncoder(layer, 3,
+                                                                  enable_nested_tensor=False))
+
+
+def test_plain_module_recomputes_with_dropout_on():
+    x = torch.randn(4, 32, 16)
+    config = cc.CompressionConfig(budget=0.4, compile=False, recompute=None)
+    saved = cc.optimize(encoder(), config, example_inputs=(x,)).train()
+    recomputed = copy.deepcopy(saved)
+    assert recompute_bonds(recomputed) == 3
+
+    def grads(model, seed=1):
+        torch.manual_seed(seed)
+        return torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+
+    expected = grads(saved)
+    assert_close(list(grads(recomputed)), list(expected))
+    assert max((a - b).abs().max() for a, b in zip(grads(saved, 2), expected)) > 1e-4
+
+
+def test_option_is_checked_and_survives_save_and_load(tmp_path):
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        cc.CompressionConfig(recompute="all")
+    build, inputs, loss_fn = hf_models.llama()
+    torch.manual_seed(0)
+    config = cc.CompressionConfig(budget=0.3, compile=False, recompute="bonds")
+    model = cc.optimize(build(), config)
+    assert recomputed_blocks(model) == 2 and cc.config_of(model).recompute == "bonds"
+    assert model.loss_function is causal_lm_loss
+    cc.save(model, tmp_path)
+    loaded = cc.load(tmp_path)
+    assert recomputed_blocks(loaded) == 2 and cc.config_of(loaded).recompute == "bonds"
+    assert_close(gradients(loaded, inputs, loss_fn), gradients(model, inputs, loss_fn))
+    bond_recompute.stop_recomputing(loaded)
+    assert recomputed_blocks(loaded) == 0
+    assert "_loss_function" not in loaded.__dict__
+
+
+@pytest.mark.parametrize("vocab_dtype", [torch.float32, torch.float64])
+def test_lean_causal_loss_matches_hugging_face(vocab_dtype):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 700, 50, dtype=vocab_dtype, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 700))
+    labels[0, :5] = -100
+    for items in (None, torch.tensor(1500)):
+        expected = ForCausalLMLoss(logits.float(), labels, 50, num_items_in_batch=items)
+        loss = causal_lm_loss(logits, labels, 50, num_items_in_batch=items)
+        torch.testing.assert_close(loss.float(), expected, rtol=1e-6, atol=1e-6)
+        (a,) = torch.autograd.grad(loss * 3, logits)
+        (b,) = torch.autograd.grad(expected * 3, logits)
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-8)
+
+
+def _directional(model, inputs, loss_fn, seed: int = 1, eps: float = 1e-5) -> tuple:
+    """The gradient along a random direction, from backward and from central differences
+    (each forward with the same dropout seed, so the same masks)."""
+    params = list(model.parameters())
+    direction = [torch.randn_like(p) for p in params]
+
+    def loss_at(scale: float) -> torch.Tensor:
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.add_(d, alpha=scale)
+        torch.manual_seed(seed)
+        loss = loss_fn(model(**inputs).logits)
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.sub_(d, alpha=scale)
+        return loss
+
+    grads = torch.autograd.grad(loss_at(0.0), params, allow_unused=True)
+    analytic = sum((g * d).sum() for g, d in zip(grads, direction) if g is not None)
+    with torch.no_grad():
+        numeric = (loss_at(eps) - loss_at(-eps)) / (2 * eps)
+    return float(analytic), float(numeric)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["comera", "inductor"])
+def test_compiled_recomputation_gives_eager_gradients(backend):
+    saved, inputs, loss_fn = hf_model("llama", dropout=0.0)
+    recomputed = copy.deepcopy(saved)
+    recompute_bonds(recomputed)
+    compiled = torch.compile(recomputed, backend=backend)
+    assert_close_loose(gradients(compiled, inputs, loss_fn), gradients(saved, inputs, loss_fn))
+    # dropout on: the compiled backward uses the forward's masks (finite differences
+    # with the same seed), in float64 so the differences are exact enough to tell
+    torch._dynamo.reset()
+    model, inputs, loss_fn = hf_model("llama", dropout=0.3)
+    model = model.double()
+    recompute_bonds(model)
+    analytic, numeric = _directional(torch.compile(model, backend=backend), inputs, loss_fn)
+    assert abs(analytic - numeric) <= 1e-6 * max(1.0, abs(numeric)), (analytic, numeric)
+
+
+def assert_close_loose(a: list, b: list) -> None:
+    for x, y in zip(a, b):
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def kept_by_forward(model: nn.Module, inputs: dict) -> int:
+    """Bytes ``model``'s forward saves for backward through autograd's hooks (a compiled
+    graph saves what its partitioner keeps that way), parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(**inputs).logits
+    logits.float().square().mean().backward()
+    return sum(storages.values())
+
+
+@pytest.mark.slow
+def test_optimize_option_keeps_less_in_the_compiled_graph():
+    """``optimize(compile="always", recompute="bonds")``: the compiled graph keeps what the
+    policy says, a fraction of what the same graph keeps without recomputation."""
+    torch._dynamo.reset()
+    build, _, _ = hf_models.llama()
+    inputs = {"input_ids": hf_models.ids((8, 64))}
+    kept = {}
+    for recompute in (None, "bonds"):
+        torch.manual_seed(0)
+        dense = build()
+        dense.config.tie_word_embeddings = False
+        config = cc.CompressionConfig(budget=0.3, compile="always", recompute=recompute)
+        model = cc.optimize(dense, config, example_inputs=(inputs["input_ids"],))
+        kept_by_forward(model, inputs)  # compiles
+        kept[recompute] = kept_by_forward(model, inputs)
+    # (the tied head's TT chain outside the blocks keeps the same in both)
+    assert kept["bonds"] < 0.7 * kept[None], kept
