@@ -239,31 +239,6 @@ def test_lean_causal_loss_matches_hugging_face(vocab_dtype):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-8)
 
 
-def _directional(model, inputs, loss_fn, seed: int = 1, eps: float = 1e-5) -> tuple:
-    """The gradient along a random direction, from backward and from central differences
-    (each forward with the same dropout seed, so the same masks)."""
-    params = list(model.parameters())
-    direction = [torch.randn_like(p) for p in params]
-
-    def loss_at(scale: float) -> torch.Tensor:
-        with torch.no_grad():
-            for p, d in zip(params, direction):
-                p.add_(d, alpha=scale)
-        torch.manual_seed(seed)
-        loss = loss_fn(model(**inputs).logits)
-        with torch.no_grad():
-            for p, d in zip(params, direction):
-                p.sub_(d, alpha=scale)
-        return loss
-
-    torch.manual_seed(seed)
-    grads = torch.autograd.grad(loss_fn(model(**inputs).logits), params, allow_unused=True)
-    analytic = sum((g * d).sum() for g, d in zip(grads, direction) if g is not None)
-    with torch.no_grad():
-        numeric = (loss_at(eps) - loss_at(-eps)) / (2 * eps)
-    return float(analytic), float(numeric)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["comera", "inductor"])
 def test_compiled_recomputation_gives_eager_gradients(backend):
