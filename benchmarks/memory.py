@@ -9,7 +9,9 @@ neither the copy that ``optimize`` makes of the dense model nor a first step's p
 compiling is counted; what they leave resident is. **kept** is what one step saves for
 backward (``torch.autograd.graph.saved_tensors_hooks``, each storage once): torch's own
 count of the activation memory. The **step** is the median time of the timed steps (forward,
-loss, backward, AdamW), after warm-up.
+loss, backward, AdamW), after warm-up. A checkpoint holds its blocks' inputs and the outputs
+its policy keeps itself, not through those hooks: **kept** leaves them out of the
+checkpointed rows.
 
 Rows: the dense model; the dense model with Hugging Face gradient checkpointing
 (``gradient_checkpointing_enable()``); the compressed model (``optimize`` at ``--budget``)
@@ -199,7 +201,9 @@ def run_all(args) -> str:
             f"AdamW), compressed rows at budget {args.budget}; {args.warmup} warm-up and "
             f"{args.steps} timed steps per row, one process per row, "
             f"{args.threads} threads. Memory: peak RSS over the steps minus RSS before the "
-            "model was built; kept: bytes saved for backward by one step.\n\n"
+            "model was built; kept: bytes one step saves through autograd's saved-tensor hooks "
+            "(what a checkpoint holds itself, its blocks' inputs and cached bonds, is not in "
+            "it).\n\n"
             + "\n\n".join(sections))
     path = write_results("memory", "Training memory and step time", body)
     print(body)

@@ -56,12 +56,26 @@ _ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name)}
 
 
+def _tracing(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the policy is asked while AOT autograd traces a compiled graph."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    is_compiling = getattr(torch_checkpoint, "_is_compiling", None)
+    return bool(is_compiling and is_compiling(op, args, kwargs))
+
+
 def keep_bonds(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The selective checkpoint policy: save the bond products and the fused attentions'
     outputs, recompute the rest. An attention's output is as narrow as the block's input
-    and the costliest op of the block to redo; and a fused attention is a random op with a
-    tuple output, which compiled graphs must save whole rather than remake (its dropout)."""
+    and the costliest op of the block to redo. In a compiled graph a random op (a dropout,
+    with its tuple of outputs) is saved too: the graph's own passes keep random values
+    rather than draw them again (``compile.recompute``), and a tuple-valued op marked saved
+    whose outputs were marked recomputed could not be partitioned. Eager, the checkpoint
+    replays the random state instead, so dropouts are recomputed."""
     if op in _BOND_OPS or op in _ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()) and _tracing(
+            op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

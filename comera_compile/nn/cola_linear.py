@@ -59,8 +59,8 @@ class _CoLAProduct(torch.autograd.Function):
     (module docstring); the factors and the gate are parameters, kept anyway."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, u: Tensor, gate: Tensor, v: Tensor) -> Tensor:
-        z = bond_product(x, u)
+    def forward(ctx, x: Tensor, u: Tensor, gate: Tensor, v: Tensor, named: bool) -> Tensor:
+        z = bond_product(x, u) if named else x @ u  # the op costs a Python dispatch: on demand
         ctx.save_for_backward(x, z, u, gate, v)
         return (F.silu(z) * gate) @ v
 
@@ -68,7 +68,7 @@ class _CoLAProduct(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy: Tensor):
         x, z, u, gate, v = ctx.saved_tensors
-        need_x, need_u, need_gate, need_v = ctx.needs_input_grad
+        need_x, need_u, need_gate, need_v, _ = ctx.needs_input_grad
         s = F.silu(z)
         dv = (s * gate).mT @ dy if need_v else None
         dh = dy @ v.mT
@@ -76,7 +76,7 @@ class _CoLAProduct(torch.autograd.Function):
         dz = torch.ops.aten.silu_backward(dh * gate, z)
         du = x.mT @ dz if need_u else None
         dx = dz @ u.mT if need_x else None
-        return dx, du, dgate, dv
+        return dx, du, dgate, dv, None
 
 
 class CoLALinear(LowRankLinear):
@@ -84,10 +84,10 @@ class CoLALinear(LowRankLinear):
 
     format = COLA
     keeps_bond = False
-    """Set by ``compile.bond_recompute`` on the layers of a recomputed block: a compiled graph
-    then computes the bond as :func:`bond_product`, which the checkpoint policy keeps
-    (eager always does; a compiled graph otherwise keeps plain matmuls, which the compiler's
-    own passes join and orient)."""
+    """Set by ``compile.bond_recompute`` on the layers of a recomputed block: the bond is then
+    computed as :func:`bond_product`, which the checkpoint policy keeps (otherwise a plain
+    matmul: no custom op's dispatch eager, and compiled graphs keep plain matmuls, which the
+    compiler's own passes join and orient)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
@@ -112,7 +112,8 @@ class CoLALinear(LowRankLinear):
             y = (F.silu(z) * gate) @ v
         else:
             rows = x.reshape(-1, self.in_features)
-            y = _CoLAProduct.apply(rows, u, gate, v).reshape(*x.shape[:-1], self.out_features)
+            y = _CoLAProduct.apply(rows, u, gate, v, self.keeps_bond).reshape(
+                *x.shape[:-1], self.out_features)
         return y + self.bias.to(dtype) if self.bias is not None else y
 
     forward_fixed_order = forward
