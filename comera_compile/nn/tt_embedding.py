@@ -406,7 +406,7 @@ class TTEmbedding(TensorizedLayer):
         return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, with dynamo imported on first call, not at import
 def _eager_forward(layer: TTEmbedding, input: Tensor, offsets: Tensor | None,
                    weights: Tensor | None) -> Tensor:
     """A cached table's forward, run eagerly (a graph break when called from compiled code)."""
