@@ -348,7 +348,8 @@ def test_bert_classifier_resumed_mid_run_ends_at_the_uninterrupted_size(tmp_path
     size = sum(p.numel() for p in whole.parameters())
     assert sum(p.numel() for p in resumed.parameters()) == size
     assert whole_trainer.history[11]["params"] < whole_trainer.history[0]["params"]  # pruned
-    assert whole_trainer.size() <= 0.5 * whole_trainer.size_start + 1
+    target = 0.5 * whole_trainer.size_start  # ends on its target, within the tolerance
+    assert abs(whole_trainer.size() / target - 1) <= 0.05 and whole_trainer.target_reached
     got, want = resumed_trainer.history, whole_trainer.history
     for column in ("stage", "params", "ranks"):
         assert got.column(column) == want.column(column), column
