@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -46,10 +45,21 @@ def test_summary_gives_it_for_random_init_only(monkeypatch):
     assert "dense model of the same depth" not in cc.summary(model).advice
 
 
-def test_the_flag_is_the_frontier_verdict():
-    if not FRONTIER.exists():
-        pytest.skip("benchmarks/results/frontier.md not written yet")
-    verdict = [line for line in FRONTIER.read_text().splitlines()
-               if line.startswith("Verdict:")]
-    assert verdict, "frontier.md has no verdict line"
-    assert advice.NARROW_DENSE_WINS == ("no compressed configuration beats" in verdict[-1])
+def test_the_flags_are_the_frontier_verdicts():
+    """NARROW_DENSE_WINS: every row of the default ends above the best dense model at its end
+    time; BEAT_DENSE: the formats with a row that ends below it (frontier.md's own lines)."""
+    import re
+
+    rows = re.findall(r"^  (\w+)@[\d.]+: ends at .*\(([+-])[\d.]+\)$", FRONTIER.read_text(),
+                      flags=re.M)
+    assert rows, "frontier.md has no per-row verdicts"
+    assert advice.NARROW_DENSE_WINS == all(sign == "+" for fmt, sign in rows if fmt == "default")
+    assert advice.BEAT_DENSE == {fmt for fmt, sign in rows if sign == "-" and fmt != "default"}
+
+
+def test_no_advice_for_a_format_that_beat_dense(monkeypatch):
+    monkeypatch.setattr(advice, "NARROW_DENSE_WINS", True)
+    monkeypatch.setattr(advice, "BEAT_DENSE", frozenset({"btt"}))
+    assert advice.narrow_dense_advice("random", 4_000_000, 1_000_000, {"btt"}) == ""
+    assert "format='btt' did" in advice.narrow_dense_advice("random", 4_000_000, 1_000_000,
+                                                            {"cola"})

@@ -205,7 +205,8 @@ def summary(model: nn.Module) -> Summary:
         _notes(model, report),
         compiled,
         "; ".join(a for a in (_advice(report, records), narrow_dense_advice(
-            report.init if report else None, before, after)) if a),
+            report.init if report else None, before, after,
+            {m.format for m in model.modules() if isinstance(m, TensorizedLayer)})) if a),
     )
 
 
