@@ -158,14 +158,24 @@ def _metadata_only(node: torch.fx.Node) -> bool:
 def _fx_weight_reads(graph_module: torch.fx.GraphModule) -> set[str]:
     """Modules whose ``weight`` the graph computes with outside their own call (a
     ``get_attr`` node used for more than its shape or dtype): fx keeps Linear and Embedding
-    as leaves, so such a read shows."""
+    as leaves, so such a read shows. A layer fx traces through (a Hugging Face Conv1D) reads
+    its own weight inside its call: that read is the layer's, not the forward's."""
     found = set()
     for node in graph_module.graph.nodes:
         if node.op == "get_attr" and not _metadata_only(node):
             module, _, attr = node.target.rpartition(".")
-            if attr == "weight":
+            if attr == "weight" and not _inside(module, node):
                 found.add(module)
     return found
+
+
+def _inside(module: str, node: torch.fx.Node) -> bool:
+    """Whether ``node`` and every node using it were traced inside ``module``'s call."""
+    for each in (node, *node.users):
+        stack = {path for path, _ in (each.meta.get("nn_module_stack") or {}).values()}
+        if module not in stack:
+            return False
+    return True
 
 
 def _owners(model: nn.Module) -> dict[int, set[str]]:
