@@ -14,12 +14,15 @@ its policy keeps itself, not through those hooks: **kept** leaves them out of th
 checkpointed rows.
 
 Rows: the dense model; the dense model with Hugging Face gradient checkpointing
-(``gradient_checkpointing_enable()``); the compressed model (``optimize`` at ``--budget``)
-keeping what autograd keeps (``recompute=None``) and with bond recomputation
+(``gradient_checkpointing_enable()``); the default (``optimize(model, budget=...,
+example_inputs=..., compile=False)``, whose ``recompute="auto"`` decides on the batch); the
+compressed model keeping what autograd keeps (``recompute=None``) and with bond recomputation
 (``recompute="bonds"``) eager and compiled; GaLore (``galore-torch``, rank 128, on every
 2-d weight but the embedding) where installed; and at the small shape the dense model of
-the compressed one's parameter count (half the width). The loss is Hugging Face's own
-(``model(input_ids, labels=labels).loss``), random tokens.
+the compressed one's parameter count (half the width). Every row calls
+``model(input_ids, labels=labels).loss``, random tokens: Hugging Face's loss for the dense
+rows, the same value from the lean loss ``optimize`` gives a causal LM for the compressed
+ones (``training.causal_loss``).
 
     flock /tmp/comera-bench.lock python benchmarks/memory.py          # every shape, every row
     python benchmarks/memory.py --shapes small --rows dense,bonds     # a part
@@ -45,10 +48,12 @@ SHAPES = {  # name: (hidden, ffn, layers, heads, vocab, seq, batches)
     "60m": (512, 1376, 8, 8, 32000, 256, (1, 4, 16)),
     "small": (384, 1024, 4, 6, 256, 128, (16,)),
 }
-ROWS = ("dense", "dense-hf-ckpt", "saved", "bonds", "bonds-compiled", "galore", "dense-equal")
+ROWS = ("dense", "dense-hf-ckpt", "default", "saved", "bonds", "bonds-compiled", "galore",
+        "dense-equal")
 ROW_NAMES = {
     "dense": "dense",
     "dense-hf-ckpt": "dense + HF gradient checkpointing",
+    "default": "default (every default but compile=False)",
     "saved": "compressed, recompute=None",
     "bonds": "compressed, recompute='bonds', eager",
     "bonds-compiled": "compressed, recompute='bonds', compiled",
@@ -94,6 +99,8 @@ def build(args, row: str):
     if row in ("dense", "dense-hf-ckpt", "galore"):
         return model
     example = (torch.zeros(args.batch, seq, dtype=torch.long),)
+    if row == "default":  # recompute="auto" decides on the example batch
+        return cc.optimize(model, budget=args.budget, compile=False, example_inputs=example)
     config = cc.CompressionConfig(
         budget=args.budget, compile="always" if row == "bonds-compiled" else False,
         recompute=None if row == "saved" else "bonds")

@@ -13,7 +13,14 @@ from comera_compile.config import CompileOptions, CompressionConfig, config_of
 from comera_compile.formats import positive_ints
 from comera_compile.io import load, save
 from comera_compile.nn import tensorized_layers
-from comera_compile.passes import Budget, Summary, exact_graph_module, summary, tensorize
+from comera_compile.passes import (
+    Budget,
+    Summary,
+    exact_graph_module,
+    report_of,
+    summary,
+    tensorize,
+)
 from comera_compile.planner import PlanReport
 
 __all__ = [
@@ -61,16 +68,27 @@ def optimize(
     shortcuts = {"budget": budget, "format": format, "init": init, "compile": compile}
     given = {name: value for name, value in shortcuts.items() if value is not None}
     config = dataclasses.replace(config or CompressionConfig(), **given)  # checked again
-    return _compiled(tensorize(model, config, example_inputs, inplace), config)
+    return _compiled(tensorize(model, config, example_inputs, inplace), config, example_inputs)
 
 
-def _compiled(target: nn.Module, config: CompressionConfig) -> nn.Module:
+def _compiled(target: nn.Module, config: CompressionConfig, example_inputs: Any) -> nn.Module:
     """``target`` compiled in place as ``config.compile`` says (the class is kept), its
-    blocks first wrapped for bond recomputation where ``config.recompute`` asks for it."""
-    if config.recompute == "bonds":
-        from comera_compile.compile.bond_recompute import recompute_bonds
+    blocks first wrapped for bond recomputation where ``config.recompute`` asks for it
+    (``"auto"``: where it pays on the example batch; the model's report records what was
+    decided, so a saved model loads back the same)."""
+    from comera_compile.compile import bond_recompute
+    from comera_compile.training.causal_loss import use_lean_causal_loss
 
-        recompute_bonds(target)
+    use_lean_causal_loss(target)
+    recompute = config.recompute
+    if recompute == "auto":
+        recompute = "bonds" if example_inputs is not None and bond_recompute.recompute_pays(
+            target, example_inputs) else None
+    report = report_of(target)
+    if report is not None:
+        report.recompute = recompute
+    if recompute == "bonds":
+        bond_recompute.recompute_bonds(target)
     if config.compile:
         from comera_compile.compile import compile_model  # imports inductor: on demand
 

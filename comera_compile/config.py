@@ -36,9 +36,10 @@ from comera_compile.passes.report import report_of
 from comera_compile.passes.targets import check_layer_config
 from comera_compile.planner import parse_objective
 
-RECOMPUTE_MODES = (None, "bonds")
-"""``CompressionConfig.recompute`` settings: None (autograd keeps what it keeps) or
-``"bonds"`` (each block keeps its input and its layers' bonds, ``compile.bond_recompute``)."""
+RECOMPUTE_MODES = (None, "bonds", "auto")
+"""``CompressionConfig.recompute`` settings: None (autograd keeps what it keeps),
+``"bonds"`` (each block keeps its input and its layers' bonds, ``compile.bond_recompute``)
+or ``"auto"`` (bonds where the example batch's activations outweigh the parameter state)."""
 
 HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 """``host_memory`` settings: ``"off"`` (the default) changes nothing; the others are
@@ -305,7 +306,11 @@ class CompressionConfig:
     under a checkpoint that keeps only the block's input and its CoLA layers' rank-wide bonds
     and recomputes the rest of the block in backward, as CoLA-M does (less training memory
     for about one more forward of each block's wide half; ``compile.bond_recompute``); None
-    keeps what autograd keeps.
+    keeps what autograd keeps; ``"auto"`` (the default) recomputes where it pays: in a model
+    with CoLA layers in its stacks whose training step on ``example_inputs`` keeps more for
+    backward than its weights, gradients and AdamW moments weigh (without example inputs:
+    None). A Hugging Face causal LM's loss keeps no copy of the logits either way
+    (``training.causal_loss``).
     """
 
     budget: float | int | str | Budget | None = None
@@ -325,7 +330,7 @@ class CompressionConfig:
     compile_options: CompileOptions = field(default_factory=CompileOptions)
     row_cache: float | str = "auto"
     cache_warmup: int = DEFAULT_WARMUP
-    recompute: str | None = None
+    recompute: str | None = "auto"
 
     def __post_init__(self) -> None:
         check_init(self.init)

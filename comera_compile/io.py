@@ -828,9 +828,14 @@ def load(
 
 def _recompute_as_saved(model: nn.Module) -> None:
     """Bond recomputation on a loaded model whose saved configuration asks for it (it is a
-    wrapper of the blocks' forwards, which no weight file holds)."""
-    config = config_of(model)
-    if config is not None and config.recompute == "bonds":
+    wrapper of the blocks' forwards, which no weight file holds), and the lean causal-LM loss
+    ``optimize`` gives every model it returns."""
+    from comera_compile.training.causal_loss import use_lean_causal_loss
+
+    use_lean_causal_loss(model)
+    config, report = config_of(model), report_of(model)
+    if getattr(report, "recompute", None) == "bonds" or (
+            config is not None and config.recompute == "bonds"):
         from comera_compile.compile.bond_recompute import recompute_bonds
 
         recompute_bonds(model)

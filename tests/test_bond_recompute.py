@@ -17,7 +17,11 @@ from comera_compile.compile import bond_recompute
 from comera_compile.compile.bond_recompute import recompute_bonds, recomputed_blocks
 from comera_compile.compile.policy.blocks import repeated_blocks
 from comera_compile.nn import CoLALinear
-from comera_compile.training.causal_loss import causal_lm_loss
+from comera_compile.training.causal_loss import (
+    causal_lm_loss,
+    drop_lean_causal_loss,
+    use_lean_causal_loss,
+)
 
 DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
                   "resid_pdrop", "embd_pdrop", "attn_pdrop")
@@ -239,6 +243,78 @@ def test_lean_causal_loss_matches_hugging_face(vocab_dtype):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("head_kind", ["linear", "linear-bias", "cola"])
+def test_head_recomputing_loss_matches_hugging_face(head_kind, monkeypatch):
+    """Logits tagged by the output head: the loss keeps the head's narrow input, remakes the
+    logits in blocks in backward (several blocks here), and gives Hugging Face's value and
+    gradients of the head's parameters and input, ignored labels included."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from comera_compile.training import causal_loss
+
+    monkeypatch.setattr(causal_loss, "BLOCK_ELEMENTS", 300)  # 6 rows of 50 logits a block
+    torch.manual_seed(0)
+    if head_kind == "cola":
+        head = CoLALinear(16, 50, ranks=8)
+        with torch.no_grad():
+            head.gates[0][2] = 0.0  # an off gate entry stays off
+    else:
+        head = nn.Linear(16, 50, bias=head_kind == "linear-bias")
+    assert causal_loss.tag_head_outputs(head)
+    x = torch.randn(3, 41, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 41))
+    labels[1, :7] = -100
+    logits = head(x)
+    assert logits._comera_head[0] is head
+    loss = causal_lm_loss(logits, labels, 50)
+    assert loss.grad_fn.next_functions[0][0].name() == "_HeadCrossEntropySumBackward"
+    expected = ForCausalLMLoss(logits.detach().requires_grad_(), labels, 50)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    wrt = [x, *head.parameters()]
+    got = torch.autograd.grad(loss * 3, wrt, allow_unused=True)
+    causal_loss.untag_head_outputs(head)
+    plain = head(x)
+    assert not hasattr(plain, "_comera_head")
+    want = torch.autograd.grad(ForCausalLMLoss(plain, labels, 50) * 3, wrt, allow_unused=True)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_head_recomputing_loss_frees_the_logits():
+    """A Hugging Face LLaMA with the lean loss: once the caller keeps only ``.loss``, nothing
+    as large as the logits stays alive for backward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=4000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
+        use_cache=False))
+    tokens = torch.randint(0, 4000, (2, 64))
+    logits_bytes = 2 * 64 * 4000 * 4
+    assert use_lean_causal_loss(model)
+    saved: list[int] = [0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    assert max(saved) < logits_bytes / 8
+    loss.backward()
+    lean = [p.grad.clone() for p in model.parameters()]
+    drop_lean_causal_loss(model)
+    model.zero_grad()
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    for a, p in zip(lean, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["comera", "inductor"])
 def test_compiled_recomputation_gives_eager_gradients(backend):
@@ -290,3 +366,44 @@ def test_optimize_option_keeps_less_in_the_compiled_graph():
         kept[recompute] = kept_by_forward(model, inputs)
     # (the tied head's TT chain outside the blocks keeps the same in both)
     assert kept["bonds"] < 0.7 * kept[None], kept
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        use_cache=False))
+
+
+def test_auto_recomputes_where_activations_outweigh_the_parameter_state(tmp_path):
+    """``recompute="auto"`` (the default): bonds where one step on the example batch keeps
+    more than the weights, gradients and AdamW moments weigh, none where it keeps less; the
+    report records the decision and a saved model loads back with it."""
+    from comera_compile.compile.bond_recompute import kept_bytes
+
+    few = torch.zeros(1, 4, dtype=torch.long)
+    many = torch.zeros(16, 128, dtype=torch.long)
+    small = cc.optimize(_tiny_llama(), budget=0.25, compile=False, example_inputs=(few,))
+    large = cc.optimize(_tiny_llama(), budget=0.25, compile=False, example_inputs=(many,))
+    state = 16 * sum(p.numel() for p in small.parameters())
+    assert kept_bytes(small, (few,)) < state < kept_bytes(large, (many,))
+    assert (recomputed_blocks(small), recomputed_blocks(large)) == (0, 2)
+    assert cc.config_of(large).recompute == "auto"
+    assert cc.passes.report_of(large).recompute == "bonds"
+    assert cc.passes.report_of(small).recompute is None
+    # a count over the first row, scaled: what the full batch keeps, without holding it
+    four = torch.zeros(4, 128, dtype=torch.long)
+    assert kept_bytes(large, (four,)) == 4 * kept_bytes(large, (four[:1],))
+    cc.save(large, tmp_path / "large")
+    assert recomputed_blocks(cc.load(tmp_path / "large")) == 2
+    cc.save(small, tmp_path / "small")
+    assert recomputed_blocks(cc.load(tmp_path / "small")) == 0
+    # no CoLA bonds in the stacks (low rank from scratch): nothing to keep narrow
+    lowrank = cc.optimize(_tiny_llama(), budget=0.25, format="lowrank", compile=False,
+                          example_inputs=(many,))
+    assert recomputed_blocks(lowrank) == 0
+    # without example inputs there is no batch to weigh: autograd keeps what it keeps
+    assert recomputed_blocks(cc.optimize(_tiny_llama(), budget=0.25, compile=False)) == 0

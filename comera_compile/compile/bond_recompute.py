@@ -138,10 +138,61 @@ def stop_recomputing(model: nn.Module) -> None:
             module.__dict__.pop("keeps_bond", None)
 
 
+def kept_bytes(model: nn.Module, example_inputs: Any) -> int:
+    """Bytes one training forward of ``model`` on ``example_inputs`` (a tensor, a tuple of
+    positional inputs or a dict of keyword inputs) keeps for backward, each
+    storage once and the parameters left out. The forward runs in training mode on the first
+    row of the batch and the count is scaled by the batch size (activations grow with it),
+    so that the measurement itself never holds a full batch's activations; random state and
+    the model's mode are left as they were."""
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    else:
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (
+            example_inputs,)
+        kwargs = {}
+    tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim()]
+    rows = tensors[0].shape[0] if tensors else 1
+    cut = lambda v: v[:1] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v  # noqa: E731
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.train()
+            model(*[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()})
+    finally:
+        model.train(was_training)
+    return sum(storages.values()) * rows
+
+
+def recompute_pays(model: nn.Module, example_inputs: Any) -> bool:
+    """``recompute="auto"``: whether bond recomputation is worth its extra forward of each
+    block's wide half. It is where the model has a stack of blocks holding CoLA layers (whose
+    bonds are narrow) and a training step on the example batch keeps more for backward than
+    the model's parameter state weighs (weights, gradients and AdamW's two moments): there
+    activations are what the step's memory is made of. Where they weigh less (small
+    batches), recomputing would cost time and save little."""
+    blocks = repeated_blocks(model)
+    if not any(isinstance(m, CoLALinear) for block in blocks for m in block.modules()):
+        return False
+    state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return kept_bytes(model, example_inputs) > state
+
+
 def recomputed_blocks(model: nn.Module) -> int:
     """How many of ``model``'s modules run under bond recomputation."""
     return sum(isinstance(m.__dict__.get("forward"), RecomputedForward) for m in model.modules())
 
 
-__all__ = ["RecomputedForward", "bond_product", "keep_bonds",
-           "recompute_bonds", "recomputed_blocks", "stop_recomputing"]
+__all__ = ["RecomputedForward", "bond_product", "keep_bonds", "kept_bytes",
+           "recompute_bonds", "recompute_pays", "recomputed_blocks", "stop_recomputing"]

@@ -39,6 +39,7 @@ class OptimizeReport:
     returned: str = ""  # which form optimize returned, and why
     config: dict[str, Any] | None = None  # the CompressionConfig, as its to_dict wrote it
     caches: dict[str, str] = field(default_factory=dict)  # per table: its hot-row cache, why
+    recompute: str | None = None  # what the step recomputes (as recompute="auto" decided)
 
 
 def attach_report(model: nn.Module, report: OptimizeReport) -> None:

@@ -10,6 +10,15 @@ same value from the logits and a per-row log-sum-exp, and its backward writes th
 ``softmax - onehot``, straight into one new tensor: the logits (which the model returns to its
 caller, and so hold anyway) and their gradient. The forward reads the logits in blocks of
 rows, so its exponentials never take a full-size buffer either.
+
+**The head's logits recomputed.** Where the logits come straight from the model's output head
+(``nn.Linear``, or a CoLA layer ``silu(x U) diag(g) V``: :func:`tag_head_outputs` marks what
+the head made), the loss keeps the head's narrow input (``x``, or the rank-wide bond) in place
+of the logits, and its backward remakes the logits block by block of rows from it, each block
+giving its part of the gradients of the bond and of the head's last factor at once. No tensor
+the size of the logits is kept for backward or made in it: the logits the model returns are
+freed as soon as its caller drops them (``model(...).loss``). The cost is one more product of
+the head's last factor, in blocks.
 """
 
 from __future__ import annotations
@@ -21,8 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-ROWS = 1024
+ROWS = 256
 """Rows of logits the forward exponentiates at once."""
+
+BLOCK_ELEMENTS = 2**24
+"""Logits the head's recomputing backward makes at once (64 MB in float32)."""
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -31,9 +43,7 @@ class _CrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for start in range(0, logits.shape[0], ROWS):
-            lse[start:start + ROWS] = torch.logsumexp(logits[start:start + ROWS].float(), -1)
+        lse = _log_sum_exp(logits)
         valid = target != ignore_index
         picked = logits.gather(1, torch.where(valid, target, 0)[:, None])[:, 0].float()
         ctx.save_for_backward(logits, lse, target, valid)
@@ -50,6 +60,113 @@ class _CrossEntropySum(torch.autograd.Function):
         return out, None, None
 
 
+def _log_sum_exp(logits: Tensor) -> Tensor:
+    lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], ROWS):
+        lse[start:start + ROWS] = torch.logsumexp(logits[start:start + ROWS].float(), -1)
+    return lse
+
+
+class _HeadCrossEntropySum(torch.autograd.Function):
+    """Summed cross entropy of ``logits = h @ w + bias`` (2-d ``h``; ``logits`` given, as the
+    head made them, with no gradient of their own), keeping ``h``, ``w`` and a log-sum-exp per
+    row; backward remakes the logits in blocks of rows (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, w: Tensor, bias: Tensor | None, logits: Tensor, target: Tensor,
+                ignore_index: int) -> Tensor:
+        lse = _log_sum_exp(logits)
+        valid = target != ignore_index
+        picked = logits.gather(1, torch.where(valid, target, 0)[:, None])[:, 0].float()
+        ctx.save_for_backward(h, w, bias, lse, target, valid)
+        return ((lse - picked) * valid).sum()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        h, w, bias, lse, target, valid = ctx.saved_tensors
+        need_h, need_w, need_bias = ctx.needs_input_grad[:3]
+        dh = torch.empty_like(h) if need_h else None
+        dw = torch.zeros_like(w) if need_w else None
+        dbias = torch.zeros_like(bias) if bias is not None and need_bias else None
+        scale = (valid * grad).to(h.dtype)
+        picks = torch.where(valid, target, 0)
+        rows = max(1, BLOCK_ELEMENTS // w.shape[1])
+        for start in range(0, h.shape[0], rows):
+            part = slice(start, start + rows)
+            hp = h[part]
+            p = hp @ w if bias is None else torch.addmm(bias, hp, w)
+            p.sub_(lse[part, None].to(p.dtype)).exp_()  # softmax of the block
+            p.scatter_add_(1, picks[part, None], torch.full_like(p[:, :1], -1.0))
+            p.mul_(scale[part, None])
+            if dh is not None:
+                torch.matmul(p, w.mT, out=dh[part])
+            if dw is not None:
+                dw.addmm_(hp.mT, p)
+            if dbias is not None:
+                dbias.add_(p.sum(0))
+        return dh, dw, dbias, None, None, None
+
+
+def _tag_head_output(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook on the output head: mark the logits with the head and its input."""
+    if (torch.is_tensor(output) and args and torch.is_tensor(args[0]) and output.requires_grad
+            and not torch.compiler.is_compiling()):
+        output._comera_head = (module, args[0])
+
+
+def tag_head_outputs(head: torch.nn.Module) -> bool:
+    """Let :func:`causal_lm_loss` recompute ``head``'s logits in backward (module docstring);
+    False (nothing done) for a head whose factors it cannot name."""
+    if head_factors(head, None) is None:
+        return False
+    if not any(h is _tag_head_output for h in head._forward_hooks.values()):
+        head.register_forward_hook(_tag_head_output)
+    return True
+
+
+def untag_head_outputs(head: torch.nn.Module) -> None:
+    """Undo :func:`tag_head_outputs`."""
+    for key, hook in list(head._forward_hooks.items()):
+        if hook is _tag_head_output:
+            del head._forward_hooks[key]
+
+
+def head_factors(head: torch.nn.Module, x: Tensor | None):
+    """``(h, w, bias)`` with ``head(x) = h @ w + bias`` over ``x``'s rows, for an
+    ``nn.Linear`` (``h = x``) or a CoLA layer (``h = silu(x U) diag(g)``); None for another
+    head. With ``x`` None, only whether the head is one of them (a true value or None)."""
+    from comera_compile.nn import CoLALinear
+    from comera_compile.nn.gates import hard_threshold
+
+    if type(head) is torch.nn.Linear:
+        if x is None:
+            return True
+        return x.reshape(-1, head.in_features), head.weight.mT, head.bias
+    if type(head) is CoLALinear:
+        if x is None:
+            return True
+        u, v = head.cores
+        gate = hard_threshold(head.gates[0], head.threshold)
+        h = F.silu(x.reshape(-1, head.in_features) @ u.reshape(head.in_features, -1)) * gate
+        return h, v.reshape(-1, head.out_features), head.bias
+    return None
+
+
+def _head_of(logits: Tensor):
+    """The ``(h, w, bias)`` of the head that made ``logits``, where it was tagged and the
+    logits are plain float32 (no autocast)."""
+    tag = None if torch.compiler.is_compiling() else getattr(logits, "_comera_head", None)
+    if tag is None or logits.dtype != torch.float32 or torch.is_autocast_enabled(
+            logits.device.type):
+        return None
+    head, x = tag
+    factors = head_factors(head, x)
+    if factors is None or factors[0].dtype != torch.float32:
+        return None
+    return factors
+
+
 def causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
                    num_items_in_batch: Tensor | int | None = None, ignore_index: int = -100,
                    shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
@@ -57,9 +174,15 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, vocab_size: int,
     the module docstring."""
     if shift_labels is None:  # tokens < n predict n
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    head = _head_of(logits)
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.reshape(-1).to(logits.device)
-    total = _CrossEntropySum.apply(logits, shift_labels, ignore_index)
+    if head is not None and head[1].shape[-1] == vocab_size:
+        h, w, bias = head
+        total = _HeadCrossEntropySum.apply(h, w, bias, logits.detach(), shift_labels,
+                                           ignore_index)
+    else:
+        total = _CrossEntropySum.apply(logits, shift_labels, ignore_index)
     if num_items_in_batch is None:
         return total / (shift_labels != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
@@ -82,6 +205,9 @@ def use_lean_causal_loss(model: torch.nn.Module) -> bool:
     if not uses_hf_causal_loss(model):
         return False
     model.loss_function = causal_lm_loss
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Module):
+        tag_head_outputs(head)
     return True
 
 
@@ -89,3 +215,6 @@ def drop_lean_causal_loss(model: torch.nn.Module) -> None:
     """Undo :func:`use_lean_causal_loss`."""
     if model.__dict__.get("_loss_function") is causal_lm_loss:
         del model._loss_function
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Module):
+        untag_head_outputs(head)
