@@ -137,6 +137,13 @@ class TrainStep:
 
     ``loss_fn(model, batch)`` returns the scalar loss. On CUDA the returned loss is a static
     tensor overwritten by the next call (``.item()`` or ``.clone()`` it to keep it).
+
+    On CUDA: recorded as one CUDA Graph after ``warmup`` steps on a side stream (whose
+    effect on parameters and optimizer state is undone), replayed on each call, recorded
+    again when the batch layout or a parameter shape changes. The optimizer is switched to
+    ``capturable=True``. On CPU: the forward + loss is compiled with the ``comera`` backend.
+    ``compile`` (default: on for CPU, off for CUDA, where the graph already removes the
+    launch overhead) compiles the forward + loss with the backend in both cases.
     """
 
     def __init__(
@@ -241,21 +248,7 @@ class TrainStep:
         self.records += 1
 
 
-def capture_train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    example_batch: Any,
-    warmup: int = 3,
-    compile: bool | None = None,
-) -> TrainStep:
-    """A callable ``step(batch) -> loss`` that runs forward, backward and ``optimizer.step()``.
-
-    On CUDA: recorded as one CUDA Graph after ``warmup`` steps on a side stream (whose
-    effect on parameters and optimizer state is undone), replayed on each call, recorded
-    again when the batch layout or a parameter shape changes. The optimizer is switched to
-    ``capturable=True``. On CPU: the forward + loss is compiled with the ``comera`` backend.
-    ``compile`` (default: on for CPU, off for CUDA, where the graph already removes the
-    launch overhead) compiles the forward + loss with the backend in both cases.
-    """
-    return TrainStep(model, optimizer, loss_fn, example_batch, warmup=warmup, compile=compile)
+capture_train_step = TrainStep
+"""``capture_train_step(model, optimizer, loss_fn, example_batch, warmup=3, compile=None)``:
+a callable ``step(batch) -> loss`` (a :class:`TrainStep`) that runs forward, backward and
+``optimizer.step()``; see :class:`TrainStep`."""

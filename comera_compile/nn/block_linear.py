@@ -8,57 +8,19 @@ there is no contraction order to plan: ``plans()`` reports that one program and 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from comera_compile.nn.base import TensorizedLayer, output_dtype
+from comera_compile.nn.linear_shape import RandomLinear
 from comera_compile.planner import PlanRecord
 
 
-class BlockLinear(TensorizedLayer):
+class BlockLinear(RandomLinear, TensorizedLayer):
     """Base of ``BTTLinear`` and ``MonarchLinear``: subclasses give ``_multiply(x2, dtype)``
     (padded rows in, padded outputs out), ``macs_per_row()`` and ``core_fan_ins()``."""
-
-    in_features: int
-    out_features: int
-    in_modes: tuple[int, ...]
-    out_modes: tuple[int, ...]
-
-    def _init_linear(self, in_features: int, out_features: int, in_modes, out_modes,
-                     bias: bool) -> None:
-        """Sizes, modes and a bias like ``nn.Linear``'s, on the cores' device and dtype."""
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.in_modes, self.out_modes = tuple(in_modes), tuple(out_modes)
-        if not bias:
-            self.register_parameter("bias", None)
-            return
-        core = self.cores[0]
-        bound = 1.0 / math.sqrt(self.in_features)
-        self.bias = nn.Parameter(torch.empty(self.out_features, device=core.device,
-                                             dtype=core.dtype))
-        nn.init.uniform_(self.bias, -bound, bound)
-
-    @property
-    def dense_parameters(self) -> int:
-        return self.in_features * self.out_features
-
-    @property
-    def dense_fan_in(self) -> int:
-        """The fan-in of the dense weight this layer replaces."""
-        return self.in_features
-
-    def layout(self) -> dict[str, Any]:
-        return {
-            **super().layout(),
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "in_modes": list(self.in_modes),
-            "out_modes": list(self.out_modes),
-            "bias": self.bias is not None,
-        }
 
     # ----- the forward --------------------------------------------------------------------
     def _multiply(self, x2: Tensor, dtype: torch.dtype) -> Tensor:

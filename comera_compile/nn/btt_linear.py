@@ -10,6 +10,7 @@ layout, and ``from_dense`` (per-block truncated SVD, the best BTT of the weight)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,7 @@ from comera_compile.formats import (
 )
 from comera_compile.formats.btt import btt_core_shapes
 from comera_compile.nn.block_linear import BlockLinear
-from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
+from comera_compile.nn.gates import hard_threshold
 
 
 class BTTLinear(BlockLinear):
@@ -41,26 +42,12 @@ class BTTLinear(BlockLinear):
 
     format = BTT
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        ranks: int | Sequence[int] = 1,
-        in_modes: Sequence[int] | None = None,
-        out_modes: Sequence[int] | None = None,
-        bias: bool = True,
-        order: int | None = None,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        chain = chain_layout(BTT, in_features, out_features, ranks, in_modes, out_modes, order)
+    def _random_cores(self, chain: Any, in_features: int, device: Any, dtype: Any) -> list[Tensor]:
         rank = chain.ranks[1]
         stds = btt_init_stds(chain.first, chain.second, rank)
-        cores = [torch.randn(shape, device=device, dtype=dtype) * std
-                 for shape, std in zip(btt_core_shapes(chain.first, chain.second, rank), stds)]
-        super().__init__(cores, threshold)
-        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
+        shapes = btt_core_shapes(chain.first, chain.second, rank)
+        return [torch.randn(shape, device=device, dtype=dtype) * std
+                for shape, std in zip(shapes, stds)]
 
     @property
     def rank(self) -> int:

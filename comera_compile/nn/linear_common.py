@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_compile.formats import chain_layout
 from comera_compile.nn.base import TensorizedLayer, output_dtype
-from comera_compile.nn.gates import DEFAULT_THRESHOLD
+from comera_compile.nn.linear_shape import LinearShape, RandomLinear
 from comera_compile.nn.planned import PlannedLayer
 from comera_compile.planner import Plan, capturing, get_plan
 from comera_compile.planner.alignment import pad_bonds
@@ -36,55 +35,11 @@ def squeeze_boundary_bonds(cores: list[Tensor]) -> list[Tensor]:
     return cores
 
 
-class PlannedLinearMixin(PlannedLayer):
+class PlannedLinearMixin(LinearShape, PlannedLayer):
     """Mixed into a layer that defines ``gated_cores()``, ``_network(rows)`` and (to be
     built from a dense Linear) ``_decompose(weight, ranks, tolerance)``."""
 
-    in_features: int
-    out_features: int
-    in_modes: tuple[int, ...]
-    out_modes: tuple[int, ...]
     autotune: bool = False
-
-    @property
-    def dense_parameters(self) -> int:
-        return self.in_features * self.out_features
-
-    @property
-    def dense_fan_in(self) -> int:
-        """The fan-in of the dense weight this layer replaces."""
-        return self.in_features
-
-    def layout(self) -> dict:
-        return {
-            **super().layout(),
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "in_modes": list(self.in_modes),
-            "out_modes": list(self.out_modes),
-            "bias": self.bias is not None,
-        }
-
-    def _init_linear(
-        self,
-        in_features: int,
-        out_features: int,
-        in_modes: tuple[int, ...],
-        out_modes: tuple[int, ...],
-        bias: bool,
-    ) -> None:
-        """Record the Linear's sizes and modes; a bias like ``nn.Linear``'s, on the cores'
-        device and dtype."""
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.in_modes, self.out_modes = tuple(in_modes), tuple(out_modes)
-        if not bias:
-            self.register_parameter("bias", None)
-            return
-        core = self.cores[0]
-        bound = 1.0 / math.sqrt(self.in_features)  # nn.Linear's default
-        self.bias = nn.Parameter(torch.empty(self.out_features, device=core.device,
-                                             dtype=core.dtype))
-        nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
     def from_dense(
@@ -197,7 +152,7 @@ class PlannedLinearMixin(PlannedLayer):
         return self._finish(y, lead, bias_added=bias is not None).to(dtype)
 
 
-class ChainLinear(PlannedLinearMixin, TensorizedLayer):
+class ChainLinear(PlannedLinearMixin, RandomLinear, TensorizedLayer):
     """A Linear layer whose weight is one chain of cores (TT, TTM): the constructor, the
     cores' fan-ins and the contraction network, which the formats differ in only by the
     functions each subclass names below."""
@@ -208,28 +163,8 @@ class ChainLinear(PlannedLinearMixin, TensorizedLayer):
     fan_ins: Callable[..., list[int]]  # (in_modes, ranks) -> each core's fan-in
     network_of: Callable[..., Any]  # (in_modes, out_modes, ranks, rows) -> its network
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        ranks: int | Sequence[int] | None = None,
-        in_modes: Sequence[int] | None = None,
-        out_modes: Sequence[int] | None = None,
-        bias: bool = True,
-        order: int | None = None,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """``ranks``: every internal bond's rank, or one per bond (None: the format's
-        ``default_ranks``); ``in_modes`` / ``out_modes`` / ``order``: the chain layout
-        (``formats.chain_layout`` picks what is not given)."""
-        ranks = self.default_ranks if ranks is None else ranks
-        chain = chain_layout(self.format, in_features, out_features, ranks, in_modes, out_modes,
-                             order)
-        cores = self.random_cores(chain, linear_init_std(in_features), dtype, device)
-        super().__init__(cores, threshold)
-        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
+    def _random_cores(self, chain: Any, in_features: int, device: Any, dtype: Any) -> list[Tensor]:
+        return self.random_cores(chain, linear_init_std(in_features), dtype, device)
 
     def core_fan_ins(self) -> list[int]:
         """Entries of the incoming activation each core sums over (``formats.scaling``)."""

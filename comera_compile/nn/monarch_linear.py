@@ -10,13 +10,13 @@ their fan-ins). Init is the reference's muP, each factor's std from its own bloc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from comera_compile.formats import (
     MONARCH,
-    chain_layout,
     monarch_core_shapes,
     monarch_fan_ins,
     monarch_init_stds,
@@ -29,7 +29,6 @@ from comera_compile.formats import (
 )
 from comera_compile.nn.base import PruneResult
 from comera_compile.nn.block_linear import BlockLinear
-from comera_compile.nn.gates import DEFAULT_THRESHOLD
 
 
 class MonarchLinear(BlockLinear):
@@ -39,32 +38,22 @@ class MonarchLinear(BlockLinear):
 
     format = MONARCH
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        ranks: int | Sequence[int] | None = None,
-        in_modes: Sequence[int] | None = None,
-        out_modes: Sequence[int] | None = None,
-        bias: bool = True,
-        order: int | None = None,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        blocks: int | None = None,
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, ranks: Any = None,
+                 in_modes: Sequence[int] | None = None, out_modes: Sequence[int] | None = None,
+                 *args: Any, blocks: int | None = None, **kwargs: Any) -> None:
+        """``RandomLinear``'s arguments (``ranks`` ignored), or ``blocks`` for the modes."""
         if blocks is not None:
             if in_modes is not None or out_modes is not None:
                 raise ValueError("give blocks or in_modes/out_modes, not both")
             in_modes, out_modes = monarch_modes(in_features, out_features, blocks)
-        chain = chain_layout(MONARCH, in_features, out_features, 1, in_modes, out_modes, order)
+        super().__init__(in_features, out_features, 1, in_modes, out_modes, *args, **kwargs)
+        self.gates = nn.ParameterList()  # no rank bond, so no gate
+
+    def _random_cores(self, chain: Any, in_features: int, device: Any, dtype: Any) -> list[Tensor]:
         shapes = monarch_core_shapes(chain.first, chain.second)
         stds = monarch_init_stds(chain.first, chain.second)
-        cores = [torch.randn(shape, device=device, dtype=dtype) * std
-                 for shape, std in zip(shapes, stds)]
-        super().__init__(cores, threshold)
-        self.gates = nn.ParameterList()  # no rank bond, so no gate
-        self._init_linear(in_features, out_features, chain.first, chain.second, bias)
+        return [torch.randn(shape, device=device, dtype=dtype) * std
+                for shape, std in zip(shapes, stds)]
 
     @property
     def blocks(self) -> int:
