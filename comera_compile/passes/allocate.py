@@ -4,7 +4,7 @@ Greedy marginal allocation: every layer starts in its cheapest state (TT at rank
 when that is cheaper in what the budget counts, as for an embedding under a FLOPs budget);
 then the move with the largest loss reduction per unit of budget that still fits is taken,
 until none fits. A move raises one bond (``per_bond``) or the layer's whole rank, or
-returns the layer to dense. The loss is the objective's (``objectives.py``): damage to the
+returns the layer to dense. The loss is the init's (``layer_loss.py``): damage to the
 weights for pretrained models, spread capacity for training from scratch.
 
 TT layers first stay at least ``MIN_COMPRESSION`` times smaller than the dense layer (a slower

@@ -3,7 +3,7 @@ ranks, to spend a budget well.
 
 The allocator (``allocate.py``) picks every eligible layer's ranks, per bond for
 pretrained weights, so the model lands between 95% and 100% of the budget, minimising the
-objective that fits the init (``objectives.py``). Training from scratch, where it
+loss that fits the init (``layer_loss.py``). Training from scratch, where it
 tensorized some copies of a layer in repeated blocks and left others dense, all are
 tensorized and the budget spread again (``_unlike_copies``), and copies' ranks are made
 alike (``_alike_ranks``), so the blocks keep one shape. Without a budget every eligible
@@ -34,7 +34,7 @@ from comera_compile.passes.allocate import (
 from comera_compile.passes.budget import Budget
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.eligible import DEFAULT_MAX_RANK, Option, dense_macs
-from comera_compile.passes.objectives import capacity_loss, error_loss
+from comera_compile.passes.layer_loss import capacity_loss, error_loss
 from comera_compile.passes.specs import (
     BLOCK_FORMATS,
     TT,

@@ -1,4 +1,4 @@
-"""Objectives: what a layer loses in each state, for the allocator to minimise in sum.
+"""Layer losses: what a layer loses at each size, for the allocator to minimise in sum.
 
 Training from scratch (``init="random"``) has no weights to protect: capacity is spread so
 every layer is compressed alike (the loss ``-dense_params * log(params)`` is minimised under a
