@@ -394,6 +394,8 @@ def test_auto_recomputes_where_activations_outweigh_the_parameter_state(tmp_path
     assert cc.config_of(large).recompute == "auto"
     assert cc.passes.report_of(large).recompute == "bonds"
     assert cc.passes.report_of(small).recompute is None
+    assert "recompute: bonds" in str(cc.summary(large))
+    assert "recompute:" not in str(cc.summary(small))
     # a count over the first row, scaled: what the full batch keeps, without holding it
     four = torch.zeros(4, 128, dtype=torch.long)
     assert kept_bytes(large, (four,)) == 4 * kept_bytes(large, (four[:1],))

@@ -109,6 +109,7 @@ class Summary:
     notes: dict[str, str] = field(default_factory=dict)  # per layer: what changed in use
     compiled: str = ""  # whether the model runs compiled, and why
     advice: str = ""  # a better choice for what the model is set up to do, if one is known
+    recompute: str | None = None  # what backward recomputes (CompressionConfig.recompute)
 
     @property
     def compression(self) -> float:
@@ -139,6 +140,9 @@ class Summary:
             lines.append(f"returned: {self.returned}")
         if self.compiled:
             lines.append(f"compiled: {self.compiled}")
+        if self.recompute == "bonds":
+            lines.append("recompute: bonds (each block keeps its input and its layers' bonds, "
+                         "and recomputes the rest in backward)")
         if self.advice:
             lines.append(f"advice: {self.advice}")
         lines.append(text_table(header, rows))
@@ -208,6 +212,7 @@ def summary(model: nn.Module) -> Summary:
         "; ".join(a for a in (_advice(report, records), narrow_dense_advice(
             report.init if report else None, before, after,
             {m.format for m in model.modules() if isinstance(m, TensorizedLayer)})) if a),
+        getattr(report, "recompute", None),
     )
 
 
