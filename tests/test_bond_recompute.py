@@ -16,7 +16,7 @@ import comera_compile as cc
 from comera_compile.compile import bond_recompute
 from comera_compile.compile.bond_recompute import recompute_bonds, recomputed_blocks
 from comera_compile.compile.policy.blocks import repeated_blocks
-from comera_compile.nn import CoLALinear
+from comera_compile.nn import CoLALinear, TTEmbedding
 from comera_compile.training.causal_loss import (
     causal_lm_loss,
     drop_lean_causal_loss,
@@ -409,3 +409,39 @@ def test_auto_recomputes_where_activations_outweigh_the_parameter_state(tmp_path
     assert recomputed_blocks(lowrank) == 0
     # without example inputs there is no batch to weigh: autograd keeps what it keeps
     assert recomputed_blocks(cc.optimize(_tiny_llama(), budget=0.25, compile=False)) == 0
+
+
+def test_a_recomputed_lookup_keeps_only_the_ids_and_gives_the_same_gradients():
+    """``TTEmbedding.recompute_lookup`` (set by bond recomputation): the lookup's partial
+    products, many times wider than its rows, are built again in backward; the gradients of
+    the cores and gates are those of the saved lookup."""
+    torch.manual_seed(0)
+    table = TTEmbedding(1000, 64, ranks=16)
+    ids = torch.randint(0, 1000, (8, 40))
+    weight = torch.randn(8, 40, 64)
+
+    def run(recompute: bool) -> tuple[list, int]:
+        table.recompute_lookup = recompute
+        table.zero_grad()
+        params = {p.untyped_storage().data_ptr() for p in table.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = table(ids)
+        (out * weight).sum().backward()
+        return [p.grad.clone() for p in table.parameters()], sum(kept.values())
+
+    saved_grads, saved_bytes = run(False)
+    recomputed_grads, recomputed_bytes = run(True)
+    for a, b in zip(recomputed_grads, saved_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert recomputed_bytes * 4 < saved_bytes  # ids and indices, not rank-wide products
+    model = nn.Sequential(table, nn.ModuleList([nn.Linear(4, 4)]))
+    table.__dict__.pop("recompute_lookup")
+    recompute_bonds(model)  # no stack of blocks holding compressed layers: nothing changes
+    assert not table.recompute_lookup

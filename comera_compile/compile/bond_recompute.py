@@ -23,7 +23,9 @@ block's ops in backward (random ops replayed from their seeds, ``compile.recompu
 of other formats (TT chains, plain low rank) are recomputed with the rest.
 
 A Hugging Face causal LM also gets a loss whose backward keeps no copy of the logits
-(``training.causal_loss``): past the blocks, the logits are what a step keeps most of.
+(``training.causal_loss``): past the blocks, the logits are what a step keeps most of. A TT
+embedding's lookup keeps only its ids and builds its rows again in backward
+(``TTEmbedding.recompute_lookup``): its partial products are many times wider than the rows.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from comera_compile.compile.policy.blocks import (
     _without_training_cache,
     repeated_blocks,
 )
-from comera_compile.nn import CoLALinear
+from comera_compile.nn import CoLALinear, TTEmbedding
 from comera_compile.nn.cola_linear import bond_product
 from comera_compile.training.causal_loss import drop_lean_causal_loss, use_lean_causal_loss
 
@@ -115,6 +117,10 @@ def recompute_bonds(model: nn.Module) -> int:
     hooked = any(h is _no_training_cache for h in model._forward_pre_hooks.values())
     if blocks and not hooked and _takes_use_cache(model):
         model.register_forward_pre_hook(_no_training_cache, with_kwargs=True)
+    if blocks:
+        for table in model.modules():
+            if isinstance(table, TTEmbedding):
+                table.recompute_lookup = True
     for block in blocks:
         if not isinstance(block.__dict__.get("forward"), RecomputedForward):
             block.forward = RecomputedForward(block.forward)
@@ -136,6 +142,8 @@ def stop_recomputing(model: nn.Module) -> None:
             del module.forward
         if isinstance(module, CoLALinear):
             module.__dict__.pop("keeps_bond", None)
+        if isinstance(module, TTEmbedding):
+            module.__dict__.pop("recompute_lookup", None)
 
 
 def kept_bytes(model: nn.Module, example_inputs: Any) -> int:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.checkpoint import checkpoint
 
 from comera_compile.formats import (
     chain_layout,
@@ -72,6 +73,12 @@ class TTEmbedding(TensorizedLayer):
     """
 
     format = "tt_embedding"
+    recompute_lookup = False
+    """Set by ``compile.bond_recompute``: the lookup keeps only the ids for backward and builds
+    its rows again there. A lookup's partial products are many times wider than its rows
+    (each id carries a rank-wide slice of every core), so under a memory-lean step they
+    would be the largest thing it keeps; a recommender's step, whose lookups are its work,
+    keeps them."""
 
     def __init__(
         self,
@@ -232,7 +239,11 @@ class TTEmbedding(TensorizedLayer):
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
         gates = [hard_threshold(g, self.threshold) for g in self.gates]
-        rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates)
+        lookup = self.plan_for(ids.numel()).lookup
+        if self.recompute_lookup and torch.is_grad_enabled():
+            rows = checkpoint(lookup, ids, list(self.cores), gates, use_reentrant=False)
+        else:
+            rows = lookup(ids, list(self.cores), gates)
         return rows[:, : self.embedding_dim]
 
     def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
