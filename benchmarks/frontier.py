@@ -295,7 +295,7 @@ def value_at_step(curve: list, step: int) -> float:
 
 
 def is_dense(row: str) -> bool:
-    return parse_row(row)[0] == "dense"
+    return parse_row(row)[0].removesuffix("-compiled") == "dense"
 
 
 def best_at(curves: dict[str, list], seconds: float) -> tuple[str, float]:
@@ -470,7 +470,7 @@ def report(args, results: dict) -> tuple[str, bool]:
     for row, r in results.items():
         kind, width = parse_row(row)
         twin = results.get(f"dense@{width:g}")
-        if kind == "dense" or twin is None:
+        if is_dense(row) or twin is None:
             continue
         for step in (args.early_step, args.steps):
             gap = value_at_step(r["curve"], step) - value_at_step(twin["curve"], step)
