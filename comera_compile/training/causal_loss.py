@@ -4,7 +4,7 @@ Hugging Face's ``ForCausalLMLoss`` ends in ``F.cross_entropy``, a ``log_softmax`
 its output for backward (one more tensor the size of the logits) and an ``nll_loss`` whose
 backward writes a second one (zeros with the targets scattered in) before ``log_softmax``'s
 backward writes the gradient, a third. With a large vocabulary the logits are the largest
-tensors of the step (LLaMA-60M at batch 16 x 256: 16 x 256 x 32000 floats, 524 MB each), so
+tensors of the step (LLaMA-60M at batch 16 x 256: 16 x 256 x 32000 floats each), so
 the loss alone holds four of them at its backward's peak. :func:`causal_lm_loss` computes the
 same value from the logits and a per-row log-sum-exp, and its backward writes the gradient,
 ``softmax - onehot``, straight into one new tensor: the logits (which the model returns to its
@@ -34,7 +34,7 @@ ROWS = 256
 """Rows of logits the forward exponentiates at once."""
 
 BLOCK_ELEMENTS = 2**24
-"""Logits the head's recomputing backward makes at once (64 MB in float32)."""
+"""Logits the head's recomputing backward makes at once."""
 
 
 class _CrossEntropySum(torch.autograd.Function):
