@@ -411,10 +411,13 @@ def test_auto_recomputes_where_activations_outweigh_the_parameter_state(tmp_path
     assert recomputed_blocks(cc.optimize(_tiny_llama(), budget=0.25, compile=False)) == 0
 
 
-def test_a_recomputed_lookup_keeps_only_the_ids_and_gives_the_same_gradients():
+def test_a_recomputed_lookup_keeps_only_the_ids_and_gives_the_same_gradients(monkeypatch):
     """``TTEmbedding.recompute_lookup`` (set by bond recomputation): the lookup's partial
     products, many times wider than its rows, are built again in backward; the gradients of
     the cores and gates are those of the saved lookup."""
+    from comera_compile.nn import tt_embedding
+
+    monkeypatch.setattr(tt_embedding, "RECOMPUTED_IDS", 50)  # several blocks of ids
     torch.manual_seed(0)
     table = TTEmbedding(1000, 64, ranks=16)
     ids = torch.randint(0, 1000, (8, 40))
@@ -438,8 +441,8 @@ def test_a_recomputed_lookup_keeps_only_the_ids_and_gives_the_same_gradients():
 
     saved_grads, saved_bytes = run(False)
     recomputed_grads, recomputed_bytes = run(True)
-    for a, b in zip(recomputed_grads, saved_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(recomputed_grads, saved_grads):  # blocks of ids: sums in another order
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
     assert recomputed_bytes * 4 < saved_bytes  # ids and indices, not rank-wide products
     model = nn.Sequential(table, nn.ModuleList([nn.Linear(4, 4)]))
     table.__dict__.pop("recompute_lookup")

@@ -58,6 +58,8 @@ from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_all
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
+RECOMPUTED_IDS = 512
+"""Ids whose lookup a recomputing backward rebuilds at once (``TTEmbedding.recompute_lookup``)."""
 
 
 class TTEmbedding(TensorizedLayer):
@@ -75,10 +77,10 @@ class TTEmbedding(TensorizedLayer):
     format = "tt_embedding"
     recompute_lookup = False
     """Set by ``compile.bond_recompute``: the lookup keeps only the ids for backward and builds
-    its rows again there. A lookup's partial products are many times wider than its rows
-    (each id carries a rank-wide slice of every core), so under a memory-lean step they
-    would be the largest thing it keeps; a recommender's step, whose lookups are its work,
-    keeps them."""
+    its rows again there, a block of ids at a time (``RECOMPUTED_IDS``). A lookup's partial
+    products are many times wider than its rows (each id carries a rank-wide slice of every
+    core), so under a memory-lean step they would be the largest thing it keeps; a
+    recommender's step, whose lookups are its work, keeps them."""
 
     def __init__(
         self,
@@ -239,11 +241,13 @@ class TTEmbedding(TensorizedLayer):
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
         gates = [hard_threshold(g, self.threshold) for g in self.gates]
-        lookup = self.plan_for(ids.numel()).lookup
         if self.recompute_lookup and torch.is_grad_enabled():
-            rows = checkpoint(lookup, ids, list(self.cores), gates, use_reentrant=False)
+            # one checkpoint per block of ids: backward rebuilds one block's products at once
+            rows = torch.cat([checkpoint(self.plan_for(part.numel()).lookup, part,
+                                         list(self.cores), gates, use_reentrant=False)
+                              for part in ids.split(RECOMPUTED_IDS)])
         else:
-            rows = lookup(ids, list(self.cores), gates)
+            rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates)
         return rows[:, : self.embedding_dim]
 
     def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
