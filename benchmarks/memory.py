@@ -17,7 +17,8 @@ Rows: the dense model; the dense model with Hugging Face gradient checkpointing
 (``gradient_checkpointing_enable()``); the default (``optimize(model, budget=...,
 example_inputs=..., compile=False)``, whose ``recompute="auto"`` decides on the batch); the
 compressed model keeping what autograd keeps (``recompute=None``) and with bond recomputation
-(``recompute="bonds"``) eager and compiled; GaLore (``galore-torch``, rank 128, on every
+(``recompute="bonds"``) eager and compiled; ``format="btt"`` at the same budget (the format
+that won the pretraining frontier, ``benchmarks/frontier.py``); GaLore (``galore-torch``, rank 128, on every
 2-d weight but the embedding) where installed; and at the small shape the dense model of
 the compressed one's parameter count (half the width). Every row calls
 ``model(input_ids, labels=labels).loss``, random tokens: Hugging Face's loss for the dense
@@ -48,8 +49,8 @@ SHAPES = {  # name: (hidden, ffn, layers, heads, vocab, seq, batches)
     "60m": (512, 1376, 8, 8, 32000, 256, (1, 4, 16)),
     "small": (384, 1024, 4, 6, 256, 128, (16,)),
 }
-ROWS = ("dense", "dense-hf-ckpt", "default", "saved", "bonds", "bonds-compiled", "galore",
-        "dense-equal")
+ROWS = ("dense", "dense-hf-ckpt", "default", "saved", "bonds", "bonds-compiled", "btt",
+        "galore", "dense-equal")
 ROW_NAMES = {
     "dense": "dense",
     "dense-hf-ckpt": "dense + HF gradient checkpointing",
@@ -57,6 +58,7 @@ ROW_NAMES = {
     "saved": "compressed, recompute=None",
     "bonds": "compressed, recompute='bonds', eager",
     "bonds-compiled": "compressed, recompute='bonds', compiled",
+    "btt": "format='btt' (every other default but compile=False)",
     "galore": "dense + GaLore (rank 128)",
     "dense-equal": "dense, equal parameters (half width)",
 }
@@ -99,8 +101,9 @@ def build(args, row: str):
     if row in ("dense", "dense-hf-ckpt", "galore"):
         return model
     example = (torch.zeros(args.batch, seq, dtype=torch.long),)
-    if row == "default":  # recompute="auto" decides on the example batch
-        return cc.optimize(model, budget=args.budget, compile=False, example_inputs=example)
+    if row in ("default", "btt"):  # recompute="auto" decides on the example batch
+        return cc.optimize(model, budget=args.budget, compile=False, example_inputs=example,
+                           format="btt" if row == "btt" else None)
     config = cc.CompressionConfig(
         budget=args.budget, compile="always" if row == "bonds-compiled" else False,
         recompute=None if row == "saved" else "bonds")
