@@ -166,6 +166,8 @@ def test_selection_spends_the_budget_and_keeps_heads_dense():
 def test_include_exclude_filter_and_layer_config():
     model = MLP((256, 512, 256, 10))
     assert list(_select(model, None, exclude=["net.0"]).chosen) == ["net.2"]
+    assert list(_select(model, None, exclude=["net.[02]"]).chosen) == []  # globs in a list
+    assert list(_select(model, None, exclude=["*.2"]).chosen) == ["net.0"]
     assert list(_select(model, None, include=r"net\.(0|4)").chosen) == ["net.0", "net.4"]
     config = {"net.*": {"format": "ttm", "ranks": 4, "in_modes": [16, 16], "out_modes": [16, 32]}}
     sel = _select(model, None, layer_config={"net.0": config["net.*"]})

@@ -23,12 +23,14 @@ Names = str | Sequence[str] | None
 
 
 def matches_names(name: str, names: Names) -> bool:
-    """PEFT's rule: a string is a regex for the whole name; a list holds names or suffixes."""
+    """PEFT's rule: a string is a regex for the whole name; a list holds names or suffixes,
+    and globs (an entry with ``*``, ``?`` or ``[``: ``"bottom.*"``) for the whole name."""
     if names is None:
         return False
     if isinstance(names, str):
         return re.fullmatch(names, name) is not None
-    return any(name == n or name.endswith("." + n) for n in names)
+    return any(name == n or name.endswith("." + n) or (
+        any(c in n for c in "*?[") and fnmatch.fnmatchcase(name, n)) for n in names)
 
 
 def matches_pattern(name: str, pattern: str) -> bool:
