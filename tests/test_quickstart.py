@@ -44,5 +44,14 @@ def test_every_results_table_in_the_readme_is_a_results_file_verbatim():
         assert block in results
 
 
+def test_every_results_row_in_the_readme_is_a_results_file_line():
+    results = "\n".join(p.read_text() for p in (ROOT / "benchmarks" / "results").glob("*.md"))
+    section = README[README.index("## Results"):README.index("## Limitations")]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows  # the memory table
+    for row in rows:
+        assert row in results.splitlines(), row
+
+
 def test_the_readme_stays_short():
     assert len(README.splitlines()) <= 250  # details live in docs/, history in CHANGELOG.md
