@@ -18,9 +18,9 @@ Rows: the dense model; the dense model with Hugging Face gradient checkpointing
 example_inputs=..., compile=False)``, whose ``recompute="auto"`` decides on the batch); the
 compressed model keeping what autograd keeps (``recompute=None``) and with bond recomputation
 (``recompute="bonds"``) eager and compiled; ``format="btt"`` at the same budget (the format
-that won the pretraining frontier, ``benchmarks/frontier.py``); GaLore (``galore-torch``, rank 128, on every
-2-d weight but the embedding) where installed; and at the small shape the dense model of
-the compressed one's parameter count (half the width). Every row calls
+that won the pretraining frontier, ``benchmarks/frontier.py``); GaLore (``galore-torch``,
+rank 128, on every 2-d weight but the embedding) where installed; and at the small shape the
+dense model of the compressed one's parameter count (half the width). Every row calls
 ``model(input_ids, labels=labels).loss``, random tokens: Hugging Face's loss for the dense
 rows, the same value from the lean loss ``optimize`` gives a causal LM for the compressed
 ones (``training.causal_loss``).
