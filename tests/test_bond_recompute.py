@@ -245,9 +245,9 @@ def test_lean_causal_loss_matches_hugging_face(vocab_dtype):
 
 @pytest.mark.parametrize("head_kind", ["linear", "linear-bias", "cola"])
 def test_head_recomputing_loss_matches_hugging_face(head_kind, monkeypatch):
-    """Logits tagged by the output head: the loss makes the gradients of the head's narrow
-    input and last factor from the logits in blocks (several here), and gives Hugging Face's
-    value and gradients of the head's parameters and input, ignored labels included."""
+    """Logits tagged by the output head: the loss keeps the head's narrow input, remakes the
+    logits in blocks in backward (several blocks here), and gives Hugging Face's value and
+    gradients of the head's parameters and input, ignored labels included."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     from comera_compile.training import causal_loss
@@ -284,8 +284,7 @@ def test_head_recomputing_loss_matches_hugging_face(head_kind, monkeypatch):
 
 def test_head_recomputing_loss_frees_the_logits():
     """A Hugging Face LLaMA with the lean loss: once the caller keeps only ``.loss``, nothing
-    as large as the logits stays alive for backward (the largest thing kept is the head
-    weight's gradient, made in the forward)."""
+    as large as the logits stays alive for backward."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -306,8 +305,7 @@ def test_head_recomputing_loss_frees_the_logits():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(input_ids=tokens, labels=tokens).loss
-    assert max(saved) < logits_bytes / 2  # the largest: the head weight's gradient
-    assert max(saved) == 4000 * 32 * 4
+    assert max(saved) < logits_bytes / 8
     loss.backward()
     lean = [p.grad.clone() for p in model.parameters()]
     drop_lean_causal_loss(model)

@@ -11,14 +11,14 @@ same value from the logits and a per-row log-sum-exp, and its backward writes th
 caller, and so hold anyway) and their gradient. The forward reads the logits in blocks of
 rows, so its exponentials never take a full-size buffer either.
 
-**The head's gradients made in the forward.** Where the logits come straight from the model's
-output head (``nn.Linear``, or a CoLA layer ``silu(x U) diag(g) V``: :func:`tag_head_outputs`
-marks what the head made), the loss takes the head's narrow input (``x``, or the rank-wide
-bond) and last factor beside the logits, and while the logits are at hand it makes, block by
-block of rows, the gradients of that input and factor (the loss is a sum: its backward only
-scales them). No tensor the size of the logits is kept for backward or made in it: the logits
-the model returns are freed as soon as its caller drops them (``model(...).loss``), and no
-product is computed twice.
+**The head's logits recomputed.** Where the logits come straight from the model's output head
+(``nn.Linear``, or a CoLA layer ``silu(x U) diag(g) V``: :func:`tag_head_outputs` marks what
+the head made), the loss keeps the head's narrow input (``x``, or the rank-wide bond) in place
+of the logits, and its backward remakes the logits block by block of rows from it, each block
+giving its part of the gradients of the bond and of the head's last factor at once. No tensor
+the size of the logits is kept for backward or made in it: the logits the model returns are
+freed as soon as its caller drops them (``model(...).loss``). The cost is one more product of
+the head's last factor, in blocks.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ROWS = 256
 """Rows of logits the forward exponentiates at once."""
 
 BLOCK_ELEMENTS = 2**24
-"""Logits the head's loss turns into gradients at once."""
+"""Logits the head's recomputing backward makes at once."""
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -69,47 +69,43 @@ def _log_sum_exp(logits: Tensor) -> Tensor:
 
 class _HeadCrossEntropySum(torch.autograd.Function):
     """Summed cross entropy of ``logits = h @ w + bias`` (2-d ``h``; ``logits`` given, as the
-    head made them, with no gradient of their own). The gradients of ``h``, ``w`` and
-    ``bias`` are made in the forward, block by block of rows, from the logits at hand
-    (``softmax - onehot``, then the head's two products), and kept: they are as small as the
-    head's factors. Backward scales them by the loss's gradient (the loss is a sum, linear in
-    it), so nothing the size of the logits is kept or made again."""
+    head made them, with no gradient of their own), keeping ``h``, ``w`` and a log-sum-exp per
+    row; backward remakes the logits in blocks of rows (module docstring)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, bias: Tensor | None, logits: Tensor, target: Tensor,
                 ignore_index: int) -> Tensor:
-        need_h, need_w, need_bias = ctx.needs_input_grad[:3]
-        dh = torch.empty_like(h) if need_h else None
-        dw = torch.zeros_like(w) if need_w else None
-        dbias = torch.zeros_like(bias) if bias is not None and need_bias else None
+        lse = _log_sum_exp(logits)
         valid = target != ignore_index
-        picks = torch.where(valid, target, 0)
-        total = logits.new_zeros((), dtype=torch.float32)
-        rows = max(1, BLOCK_ELEMENTS // logits.shape[1])
-        for start in range(0, h.shape[0], rows):
-            part = slice(start, start + rows)
-            block, keep = logits[part], valid[part]
-            lse = torch.logsumexp(block.float(), -1)
-            picked = block.gather(1, picks[part, None])[:, 0].float()
-            total += ((lse - picked) * keep).sum()
-            p = torch.sub(block, lse[:, None].to(block.dtype)).exp_()  # softmax of the block
-            p.scatter_add_(1, picks[part, None], torch.full_like(p[:, :1], -1.0))
-            p.mul_(keep.to(p.dtype)[:, None])
-            if dh is not None:
-                torch.matmul(p, w.mT, out=dh[part])
-            if dw is not None:
-                dw.addmm_(h[part].mT, p)
-            if dbias is not None:
-                dbias.add_(p.sum(0))
-        ctx.save_for_backward(dh, dw, dbias)
-        return total
+        picked = logits.gather(1, torch.where(valid, target, 0)[:, None])[:, 0].float()
+        ctx.save_for_backward(h, w, bias, lse, target, valid)
+        return ((lse - picked) * valid).sum()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        dh, dw, dbias = ctx.saved_tensors
-        scale = lambda g: None if g is None else g * grad.to(g.dtype)  # noqa: E731
-        return scale(dh), scale(dw), scale(dbias), None, None, None
+        h, w, bias, lse, target, valid = ctx.saved_tensors
+        need_h, need_w, need_bias = ctx.needs_input_grad[:3]
+        dh = torch.empty_like(h) if need_h else None
+        dw = torch.zeros_like(w) if need_w else None
+        dbias = torch.zeros_like(bias) if bias is not None and need_bias else None
+        scale = (valid * grad).to(h.dtype)
+        picks = torch.where(valid, target, 0)
+        rows = max(1, BLOCK_ELEMENTS // w.shape[1])
+        for start in range(0, h.shape[0], rows):
+            part = slice(start, start + rows)
+            hp = h[part]
+            p = hp @ w if bias is None else torch.addmm(bias, hp, w)
+            p.sub_(lse[part, None].to(p.dtype)).exp_()  # softmax of the block
+            p.scatter_add_(1, picks[part, None], torch.full_like(p[:, :1], -1.0))
+            p.mul_(scale[part, None])
+            if dh is not None:
+                torch.matmul(p, w.mT, out=dh[part])
+            if dw is not None:
+                dw.addmm_(hp.mT, p)
+            if dbias is not None:
+                dbias.add_(p.sum(0))
+        return dh, dw, dbias, None, None, None
 
 
 def _tag_head_output(module: torch.nn.Module, args: tuple, output: Any) -> None:
