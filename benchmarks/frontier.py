@@ -371,17 +371,22 @@ def run_rows(args, rows: list[str], json_path: Path, notes: list[str]) -> dict:
     """Run each row in a process of its own; keep (``--resume``) rows a same-setup run of
     this script already left in ``json_path``. A row that fails is left out, its error's
     last line added to ``notes``."""
-    results, dates = {}, {}
+    results, dates, failed = {}, {}, set()
     if args.resume and json_path.exists():
         old = json.loads(json_path.read_text())
         if old.get("setup") == setup_key(args):
-            results = {r: v for r, v in old["rows"].items() if r in rows}
+            for r, v in old["rows"].items():
+                if r in rows and "failed" in v:  # a row that could not run: say why
+                    failed.add(r)
+                    notes.append(f"{r}: failed, left out: {v['failed']}")
+                elif r in rows:
+                    results[r] = v
             dates = {r: d for r, d in old.get("dates", {}).items() if r in results}
             print(f"reusing {len(results)} rows of {json_path.name}: {', '.join(results)}")
         else:
             print(f"{json_path.name} has another setup: every row runs again")
     for row in rows:
-        if row in results:
+        if row in results or row in failed:
             continue
         kind, width = parse_row(row)
         default = results.get(f"default@{width:g}")
@@ -401,6 +406,9 @@ def run_rows(args, rows: list[str], json_path: Path, notes: list[str]) -> dict:
             last = (out.stderr.strip().splitlines() or ["no message"])[-1]
             notes.append(f"{row}: failed, left out: {last[:300]}")
             print(notes[-1])
+            if not args.no_write:  # kept, so that a later report says why the row is missing
+                save_rows(args, json_path, {row: {"failed": last[:300]}},
+                          {row: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
             continue
         results[row] = json.loads(out.stdout.strip().splitlines()[-1])
         dates[row] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

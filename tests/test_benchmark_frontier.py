@@ -147,6 +147,20 @@ def test_the_race_end_to_end_at_a_tiny_shape(tmp_path):
     assert "dense@0.5: not run" in (tmp_path / "tiny.md").read_text()
 
 
+def test_a_row_that_cannot_run_is_reported_with_its_reason(tmp_path):
+    """A failed row is kept in the raw file with its error, so a later report says why it is
+    missing rather than "not run"."""
+    args = [*TINY, "--json", str(tmp_path / "f.json"), "--img-dir", str(tmp_path),
+            "--results-name", "tiny", "--no-plot"]
+    run([*args, "--rows", "dense@1,btt@0.01", "--resume"])  # BTT cannot get that small
+    raw = json.loads((tmp_path / "f.json").read_text())
+    assert "BudgetUnreachable" in raw["rows"]["btt@0.01"]["failed"]
+    again = run([*args, "--rows", "dense@1,btt@0.01", "--report-only"])
+    assert "failed, left out" in again.stdout or "failed, left out" in (
+        tmp_path / "tiny.md").read_text()
+    assert "btt@0.01: not run" not in (tmp_path / "tiny.md").read_text()
+
+
 def test_the_gpu_form_runs_on_the_cpu_at_a_tiny_shape(tmp_path):
     out = run(["--gpu", "--device", "cpu", *TINY, "--vocab", "300", "--budget", "0.6",
                "--rows", "dense,default", "--no-write"])
