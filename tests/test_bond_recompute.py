@@ -448,3 +448,26 @@ def test_a_recomputed_lookup_keeps_only_the_ids_and_gives_the_same_gradients(mon
     table.__dict__.pop("recompute_lookup")
     recompute_bonds(model)  # no stack of blocks holding compressed layers: nothing changes
     assert not table.recompute_lookup
+
+
+def test_kept_bytes_counts_a_batch_whose_inputs_do_not_all_lead_with_it():
+    """Inputs whose first dims are not all the batch (here a square mask the model checks
+    against the batch): the first-row count cannot run, so the batch is counted whole."""
+    from comera_compile.compile.bond_recompute import kept_bytes
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            if mask.shape != (x.shape[0], x.shape[0]):
+                raise ValueError("the mask must be batch x batch")
+            return torch.tanh(self.lin(x)) * mask.sum(1, keepdim=True)
+
+    model = Masked()
+    x, mask = torch.randn(4, 8), torch.ones(4, 4)
+    kept = kept_bytes(model, (x, mask))
+    assert kept > 0 and model.training  # counted; the mode is as it was
+    model.eval()
+    assert kept_bytes(model, (x, mask)) == kept and not model.training

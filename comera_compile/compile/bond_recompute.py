@@ -151,8 +151,9 @@ def kept_bytes(model: nn.Module, example_inputs: Any) -> int:
     positional inputs or a dict of keyword inputs) keeps for backward, each
     storage once and the parameters left out. The forward runs in training mode on the first
     row of the batch and the count is scaled by the batch size (activations grow with it),
-    so that the measurement itself never holds a full batch's activations; random state and
-    the model's mode are left as they were."""
+    so that the measurement itself never holds a full batch's activations (a model whose
+    inputs do not all lead with the batch runs on them whole); random state and the model's
+    mode are left as they were."""
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     else:
@@ -172,15 +173,23 @@ def kept_bytes(model: nn.Module, example_inputs: Any) -> int:
                 storages[ptr] = t.untyped_storage().nbytes()
         return t
 
-    was_training = model.training
-    try:
+    def forward(args: tuple, kwargs: dict) -> None:
         with torch.random.fork_rng(), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.train()
-            model(*[cut(a) for a in args], **{k: cut(v) for k, v in kwargs.items()})
+            model(*args, **kwargs)
+
+    was_training = model.training
+    model.train()
+    try:
+        try:
+            forward(tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()})
+            return sum(storages.values()) * rows
+        except Exception:  # inputs whose first dims are not all the batch: count it whole
+            storages.clear()
+            forward(args, kwargs)
+            return sum(storages.values())
     finally:
         model.train(was_training)
-    return sum(storages.values()) * rows
 
 
 def recompute_pays(model: nn.Module, example_inputs: Any) -> bool:

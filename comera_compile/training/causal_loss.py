@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from comera_compile.nn.cola_linear import CoLALinear
+from comera_compile.nn.gates import hard_threshold
+
 ROWS = 256
 """Rows of logits the forward exponentiates at once."""
 
@@ -136,9 +139,6 @@ def head_factors(head: torch.nn.Module, x: Tensor | None):
     """``(h, w, bias)`` with ``head(x) = h @ w + bias`` over ``x``'s rows, for an
     ``nn.Linear`` (``h = x``) or a CoLA layer (``h = silu(x U) diag(g)``); None for another
     head. With ``x`` None, only whether the head is one of them (a true value or None)."""
-    from comera_compile.nn import CoLALinear
-    from comera_compile.nn.gates import hard_threshold
-
     if type(head) is torch.nn.Linear:
         if x is None:
             return True
