@@ -196,7 +196,8 @@ def hold_token_ends(options: list[Option], model: nn.Module) -> None:
     the model (``TOKEN_ENDS_SHARE``; a large vocabulary's ends compete like every layer,
     and a rank-adaptive trainer can still shrink the model below the budget it started
     at). Found as Hugging Face's ``get_input_embeddings()`` /
-    ``get_output_embeddings()``; layers the user named keep the user's choice."""
+    ``get_output_embeddings()``; a selection the user made (``include``, ``filter_fn``,
+    ``layer_config``) is kept as made."""
     ends: list[nn.Module] = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
