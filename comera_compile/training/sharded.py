@@ -1,34 +1,18 @@
 """Rank-adaptive training under FSDP2 (``torch.distributed.fsdp.fully_shard``), pruning included.
 
-FSDP2 replaces each parameter by a DTensor sharded on dim 0, and builds one parameter
-group per ``fully_shard`` call whose all-gather and reduce-scatter are laid out from the
-parameter shapes at wrap time. A prune changes core shapes, so:
+FSDP2 lays out each group's collectives from the parameter shapes at wrap time, and a
+prune changes them, so:
 
 - ``shard(model)`` shards every block, then the root, but keeps the rank gates whole on
-  every rank (FSDP's ``ignored_params``): they are tiny, every step's bookkeeping reads
-  them, and every rank must see the same values to prune the same. FSDP does not reduce
-  ignored parameters, so their gradients are averaged over ranks once per backward.
-- ``prune_sharded`` (what ``RankAdaptiveTrainer.prune`` calls on a sharded model), for each
-  FSDP group holding a layer with dead channels: gathers the group's parameters and their
-  optimizer state as plain full tensors, prunes as on one process, and shards the group
-  again, the optimizer's parameter groups and state moved over to the new sharded
-  parameters. Every rank does the same in the same order: the gates decide, and they are
-  checked equal on every rank before each prune.
+  every rank (``ignored_params``): every step reads them and every rank must prune alike.
+  Their gradients are averaged once per backward.
+- ``prune_sharded`` gathers each group that holds dead channels with its optimizer state,
+  prunes as on one process and shards it again, rebuilding the group's ``FSDPParam`` list
+  with FSDP2's own constructor (internals checked by ``tests/test_training_fsdp.py``).
 
-``fully_shard`` cannot be applied to a module twice and has no call that changes a
-parameter's shape, so the re-shard rebuilds the group's list of ``FSDPParam`` with FSDP2's
-own constructor and keeps the group object (its hooks, streams and settings). That uses
-FSDP2 internals, checked against torch 2.13 by ``tests/test_training_fsdp.py``.
-
-Checkpoints: ``save_checkpoint`` writes model, optimizer and trainer with
-``torch.distributed.checkpoint`` (``get_state_dict``: each rank writes its shards); every
-tensorized layer's layout (its ranks after pruning) rides in the model's state dict as its
-``_extra_state``, as in ``comera_compile.save``. To resume, ``cut_to_checkpoint`` cuts the
-freshly built model to the saved ranks, then shard it, build the optimizer and trainer,
-and ``load_checkpoint``. For ``comera_compile.save``, gather the state with
-``full_state_dict`` and load it into an unsharded model of the same build.
-
-Only 1-D meshes (plain FSDP) are handled, and the gates' device is the mesh's.
+``save_checkpoint`` / ``load_checkpoint`` go through ``torch.distributed.checkpoint``;
+layouts ride in the state dict as in ``comera_compile.save``, and ``cut_to_checkpoint``
+cuts a fresh model to the saved ranks before sharding. Only 1-D meshes are handled.
 """
 
 from __future__ import annotations

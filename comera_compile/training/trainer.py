@@ -1,60 +1,18 @@
 """RankAdaptiveTrainer: CoMERA's two-stage rank adaptation in a plain PyTorch loop.
 
-    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.2, early_steps=2000,
-                                  total_steps=len(loader) * epochs)
+    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.2, total_steps=n)
     for x, y in data:
         loss = trainer.loss(F.cross_entropy(model(x), y))
         optimizer.zero_grad(); loss.backward(); optimizer.step()
         trainer.step()
 
-``loss`` adds the terms of the current stage; ``step`` does the bookkeeping: dead rank
-channels are frozen at exactly zero (with their optimizer state, so momentum cannot bring
-them back), channels are pruned for real every ``prune_every`` steps (100 by default), at
-the stage switch and where the run needs its final shapes, the late stage starts when due,
-and the history is recorded. ``optimize``'s compiled models keep their ranks symbolic
-(``compile.policy.rank_dims``): a cut compiles nothing, and they are cut as often as eager ones.
-A model compiled at static ranks recompiles at each cut, so it is cut only once a third of
-its core parameters are dead (``COMPILED_MIN_CUT``) and where the run needs its final
-shapes: a few compiles per run, not one per prune. Where ``optimize``'s measured compile
-runs it and the run's length is known, a cut whose recompile the compiled step's measured
-gain would not pay back over the steps left turns the model eager instead.
-``prune_every=None`` never changes a parameter's shape (dead channels are only frozen at
-zero), for wrappers that fix shapes at wrap time (FSDP1, a framework's own DDP); prune
-once after training.
-Under DDP wrap the model in ``PrunableDDP``; under FSDP2 shard it with ``training.shard``
-(each prune then gathers, cuts and re-shards the groups that lost channels).
-
-The late stage needs targets. Size ``S`` is ``model_size`` (parameters, or bytes with
-``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` when the trainer was
-built (so channels the early stage lost count against it), or ``target_params`` /
-``target_bytes``, or, with ``target_budget=b`` for a model ``optimize`` built at
-``start_budget(b)`` (twice ``b``), the share ``b`` of the dense model. Channels that die
-at the threshold never take ``S`` below ``S_t`` (nor, in the late stage, below the
-budget): the ones that carry most come back on (``size_floor``). ``target_reached`` means
-``S`` is within ``TARGET_TOLERANCE`` (5%) of ``S_t``; ``target_gap`` says by how much.
-The task-loss target ``L_t`` is ``task_target``, or else the task loss EMA at late-stage
-start (hold the loss where it was, shrink the rest).
-
-Without the run's length the late stage is the paper's: each step the switch rule picks
-the objective further from its target. With ``total_steps`` (or ``epochs`` and
-``steps_per_epoch``) the late stage is gradual pruning instead: a size budget tightens on
-a cubic schedule and reaches ``S_t`` with ``settle_fraction`` of the late stage left, and
-at each prune point where the size lags the budget, the channels with the smallest share
-of their bond's energy are switched off until it does not. The task loss keeps its full
-weight all along (plus the paper's small always-on size term): the switch rule, which
-drops the task loss to a tenth of its weight whenever size lags, is what cost a
-pretraining run most of its quality once the late stage began. So a run of a few hundred
-steps ends at its target, near the quality of the same layers trained at that size.
-``early_steps="auto"`` (the default) ends the early stage after a fifth of a run of known
-length (1000 steps otherwise), leaving the pruned model most of the run to train.
-
-``progress=True`` shows a tqdm bar advanced by ``step`` (its total is the run's length when
-known) with the stage and ``S`` as a fraction of its starting value; it closes itself after
-the last step of a known-length run, else call ``close()``.
-
-Bookkeeping costs a few fused kernels over all gates and one device-to-host transfer per
-step. ``lam`` and the size scale are tensors set from the previous step's values, so
-``loss`` never syncs and can run inside a captured (compiled / CUDA Graph) step.
+``loss`` adds the current stage's rank terms; ``step`` freezes dead channels at zero (with
+their optimizer state), prunes every ``prune_every`` steps and starts the late stage when
+due. With the run's length the late stage prunes to a cubic size schedule; without it, it
+follows the paper's switch rule. A model compiled at static ranks is cut only when enough
+is dead (``COMPILED_MIN_CUT``), since each cut recompiles. ``prune_every=None`` never
+changes shapes, for wrappers that fix them at wrap time. The stages, targets and their
+reasons: docs/rank-adaptive.md.
 """
 
 from __future__ import annotations
@@ -195,7 +153,17 @@ def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
 
 
 class RankAdaptiveTrainer:
-    """Adds CoMERA's rank terms to the task loss and shrinks the model as it trains."""
+    """Adds CoMERA's rank terms to the task loss and shrinks the model as it trains.
+
+    The size target ``S_t`` is ``target_ratio`` of the size at construction, or
+    ``target_params`` / ``target_bytes``, or ``target_budget=b`` (the share ``b`` of the
+    dense model, for a model built at ``start_budget(b)``); the task-loss target is
+    ``task_target`` or the loss EMA at late-stage start. ``total_steps`` (or ``epochs`` and
+    ``steps_per_epoch``) turns on the scheduled late stage, which reaches ``S_t`` with
+    ``settle_fraction`` of it left; ``early_steps="auto"`` is a fifth of such a run (1000
+    steps otherwise). ``progress=True`` shows a tqdm bar. Under DDP wrap the model in
+    ``PrunableDDP``; under FSDP2 shard it with ``training.shard``.
+    """
 
     def __init__(
         self,

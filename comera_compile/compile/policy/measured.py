@@ -1,37 +1,12 @@
 """Keep the compiled forward only where it pays: a few calls timed both ways.
 
-Whether inductor beats eager depends on the model, the batch and the machine (on a CPU a
-compiled step without dropout can be slower than eager), and no rule known before running
-says which. So ``optimize(compile=True)`` installs :class:`MeasuredCompile` as the model's
-compiled call. It times whole steps, from one call to the next of the same kind (for
-training: forward, loss, backward, optimizer step and whatever else the loop does),
-compiled and eager in turn, then keeps the compiled form for the rest of the run where
-it is clearly faster (``KEEP``), else eager. Training calls
-(``model.training`` with grad enabled) and other calls (evaluation, inference) are raced
-apart, since they compile to different graphs. The choices and the measured ratios are
-in ``summary(model)``.
-
-A run's length does not come with its calls, and a first compile costs more than many
-short runs take in all, for steps only somewhat faster. So calls
-of unknown horizon run eager first, by the ski-rental rule: the race starts once eager
-calls of that kind have taken ``WAIT_S``, the time over which a compiled step at the best
-speedup seen (``MAX_SPEEDUP``) would have saved what the cheapest first compile costs
-(``MIN_COMPILE_S``). A run shorter than that never compiles, so it is never slower than
-eager; a longer one loses at most ``WAIT_S * (1 - 1 / speedup)`` to the wait. A training
-period runs from one training call to the next (an evaluation in between voids it); an
-inference call counts its own duration. ``compile="always"`` skips both wait and race.
-
-When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
-cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
-first compile may not pay before its graph is thrown away. So eager steps are timed
-first, and the model compiles only if
-the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
-steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
-On CPU one of those eager steps is profiled (``compile.policy.step_bound``), and the estimate is
-then what a compile is expected to save, not the most it could: the share of the bound's
-removable time compiled steps have removed (``REALIZED``), of the blocks that compile,
-against a typical first compile (``FIRST_COMPILE_S``). A run that is expected to lose time
-to its compile stays eager. The constants' calibration: docs/cpu-performance.md.
+Whether inductor beats eager depends on the model, the batch and the machine, and no rule
+known before running says which. So :class:`MeasuredCompile` times whole steps compiled
+and eager in turn and keeps the compiled form only where it is clearly faster (``KEEP``);
+training and other calls are raced apart. A first compile costs more than short runs take
+in all, so calls run eager until they have taken ``WAIT_S`` (ski rental), and a run whose
+shapes change soon compiles only if the gain can pay by then. The rules and their
+calibration: docs/compile.md and docs/cpu-performance.md.
 """
 
 from __future__ import annotations
