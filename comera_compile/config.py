@@ -1,24 +1,16 @@
 """The two configuration objects: :class:`CompressionConfig` for ``optimize`` and
 :class:`CompileOptions` for the ``comera`` backend.
 
-Both are dataclasses checked when built (a bad value fails at once, with the accepted
-values in the message), and both turn into plain JSON-able dicts and back
-(``to_dict`` / ``from_dict``). ``optimize`` keeps the configuration it ran with in the
-model's report, so ``save`` writes it into the checkpoint and :func:`config_of` reads it
-back from a loaded model::
+Both are dataclasses checked when built (a bad value fails at once, naming the accepted
+values) and turn into JSON-able dicts and back (``to_dict`` / ``from_dict``), so ``save``
+writes the configuration ``optimize`` ran with and :func:`config_of` reads it back::
 
     config = cc.CompressionConfig(budget="40x", format="tt", max_rank=16,
                                   compile_options=cc.CompileOptions(memory="low"))
     model = cc.optimize(model, config)
     cc.config_of(model) == config          # also after save / load
 
-Budget forms (``CompressionConfig.budget`` and ``optimize``'s ``budget``): a float in
-(0, 1] is the share of parameters to **keep** (``0.05``: 5%, ``1.0``: everything); a
-string ``"40x"`` or ``Budget(ratio=40)`` is a **compression ratio**, 40 times smaller
-(the same as ``0.025``); an int is a parameter **count**, so small ints that read like a
-share or a ratio (``1``, ``40``, ``100``) are refused with the spelling that was probably
-meant. (The rank-adaptive trainer's ``target_ratio=0.2`` is a share to keep, like the
-float budget, not a compression ratio.)
+Budget forms: docs/budgets.md.
 """
 
 from __future__ import annotations

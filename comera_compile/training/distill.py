@@ -1,19 +1,11 @@
 """Distillation: recover a compressed model by training it to match its dense original.
 
-Pretrained weights truncated by TT-SVD lose accuracy the task data may be too scarce to win
-back; the dense model itself is a free teacher on any unlabeled input. ``distill_loss`` is the
-term for a user's own loop; ``distill`` is the loop:
-
     student = cc.optimize(copy.deepcopy(teacher), 0.75, init="dense", compile=False)
     losses = cc.training.distill(student, teacher, batches, steps=500)
 
-``layers`` also matches the outputs of named submodules (hidden states), which needs the
-submodules to exist in the student: optimize with ``inplace=True`` on a copy keeps them.
-
-``fit_layers`` is the cheap first stage: each compressed layer alone is fitted to its dense
-original on the inputs it actually sees (the token ids of the text for a table, the Gram of
-the captured activations for a linear layer), thousands of small steps where a full-model
-step costs a forward and backward through everything.
+The dense model is a free teacher on any unlabeled input. ``distill_loss`` is the term for
+a user's own loop and ``distill`` the loop; ``fit_layers`` is the cheap first stage, each
+compressed layer fitted alone to its dense original on the inputs it sees.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Drop dead rank channels during training, optimizer state included.
 
-``prune_ranks`` shrinks each core and gate in place (same Parameter objects, smaller
-``.data``). The optimizer keeps per-parameter state in the old shape, so we slice it as the
-parameters were sliced: any state tensor laid out along the parameter's dimensions, each of
-its sizes the parameter's or 1, is cut along the pruned dimension where it spans it. That
-covers elementwise state (AdamW's moments, SGD's momentum, Adagrad's sums) and factored
-state that broadcasts (Adafactor's row and column variances). Training then goes on as if
-the channels had never existed, and every later step is cheaper. Scalar state such as
-``step`` is left alone. State of any other shape cannot be cut: that parameter's state is
-dropped, with a warning, and the optimizer starts it afresh as at its first step.
-
-Under ``torch.compile`` a prune changes parameter shapes, so the model recompiles once per
-prune that removed something; nothing else changes shapes between prunes.
+``prune_ranks`` shrinks each core and gate in place (same Parameter objects), so the
+optimizer's per-parameter state is sliced the same way: any state tensor whose sizes are
+the parameter's or 1 (AdamW's moments, SGD's momentum, Adafactor's factored variances) is
+cut where it spans the pruned dimension, and scalar state is left alone. State of any
+other shape is dropped, with a warning, and starts afresh.
 """
 
 from __future__ import annotations
