@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from comera_compile.nn import PruneResult, TensorizedLayer, tensorized_layers
 from comera_compile.nn.base import decode_layout
 from comera_compile.nn.gates import alive
+from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.pruning import prune_layer
 
 EXTRA = "_extra_state"
@@ -342,35 +343,6 @@ def _unblob(buffer: io.BytesIO) -> Any:
     return torch.load(buffer, weights_only=True)
 
 
-def _group_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups with parameter names for parameters."""
-    names = {p: n for n, p in model.named_parameters()}
-    return [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
-
-
-def _adopt_group_layout(
-    model: nn.Module, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]
-) -> None:
-    """Regroup ``optimizer`` as it was saved. ``param_groups(model, lr=...)`` sets each
-    core's rate from its fan-in, which pruning changes, so a fresh optimizer on a cut
-    model can group differently from the one that was saved."""
-    params = dict(model.named_parameters())
-    mine = sorted(n for g in _group_layout(model, optimizer) for n in g["params"])
-    theirs = sorted(n for g in saved for n in g["params"])
-    if mine != theirs:
-        raise ValueError(
-            "the checkpoint's optimizer holds other parameters than this optimizer "
-            f"({len(theirs)} saved, {len(mine)} here); build the optimizer over the same "
-            "parameters (the same requires_grad settings) as the run that saved"
-        )
-    optimizer.param_groups.clear()
-    for group in saved:
-        optimizer.add_param_group({**group, "params": [params[n] for n in group["params"]]})
-
-
 def save_checkpoint(
     checkpoint_id: str,
     model: nn.Module,
@@ -383,7 +355,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     state = _checkpoint_state(model, optimizer)
-    state["param_groups"] = _blob(_group_layout(model, optimizer))
+    state["param_groups"] = _blob(group_layout(model, optimizer, plain=False))
     if trainer is not None:
         state["trainer"] = _blob(trainer.state_dict())
     dcp.save(state, checkpoint_id=checkpoint_id)
@@ -403,7 +375,7 @@ def load_checkpoint(
 
     groups = {"param_groups": io.BytesIO()}
     dcp.load(groups, checkpoint_id=checkpoint_id)
-    _adopt_group_layout(model, optimizer, _unblob(groups["param_groups"]))
+    regroup(model, optimizer, _unblob(groups["param_groups"]))
     state = _checkpoint_state(model, optimizer)
     if trainer is not None:
         state["trainer"] = io.BytesIO()

@@ -30,6 +30,7 @@ from comera_compile.formats import positive_int
 from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
 from comera_compile.training.distributed import Collective, unwrap
+from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.history import History
 from comera_compile.training.pruning import (
     channel_scores,
@@ -101,45 +102,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
             "can follow; use an optimizer with per-parameter state: torch.optim.SGD, Adam, "
             "AdamW, Adagrad, RMSprop or Adafactor"
         )
-
-
-def _plain(value: Any) -> bool:
-    """Whether a group setting survives JSON as it is (a tensor rate does not)."""
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def _group_layout(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list | None:
-    """The optimizer's groups with parameter names for parameters (and their plain
-    settings), or None where a parameter is not the model's."""
-    names = {p: n for n, p in model.named_parameters()}
-    if optimizer is None or any(p not in names for g in optimizer.param_groups
-                                for p in g["params"]):
-        return None
-    return [{**{k: v for k, v in g.items() if k != "params" and _plain(v)},
-             "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
-
-
-def _regroup(model: nn.Module, optimizer: torch.optim.Optimizer, saved: list) -> None:
-    """Group ``optimizer``'s parameters by name as they were saved: ``param_groups(model,
-    lr)`` rates each core by its fan-in, which pruning changes, so a fresh optimizer on a
-    model rebuilt at the pruned ranks can group differently; ``optimizer.load_state_dict``
-    then refuses the saved state, or would pair it with other parameters."""
-    mine = _group_layout(model, optimizer)
-    if mine is None or [g["params"] for g in mine] == [g["params"] for g in saved]:
-        return
-    params = dict(model.named_parameters())
-    if sorted(n for g in mine for n in g["params"]) != sorted(
-            n for g in saved for n in g["params"]):
-        raise ValueError(
-            "the saved trainer's optimizer held other parameters than this optimizer; build "
-            "the optimizer over the same parameters (requires_grad settings) as the run that "
-            "saved"
-        )
-    optimizer.param_groups.clear()
-    for group in saved:
-        optimizer.add_param_group({**group, "params": [params[n] for n in group["params"]]})
 
 
 def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
@@ -636,7 +598,7 @@ class RankAdaptiveTrainer:
             "schedule": None if self.schedule is None else vars(self.schedule).copy(),
             "plateau": self.plateau.state_dict(),
             "history": None if self._history is None else self._history.state_dict(),
-            "param_groups": _group_layout(unwrap(self.model), self.optimizer),
+            "param_groups": group_layout(unwrap(self.model), self.optimizer),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -644,7 +606,7 @@ class RankAdaptiveTrainer:
         optimizer and the trainer, load this (it groups the optimizer's parameters by name
         as they were saved), then ``optimizer.load_state_dict``."""
         if self.optimizer is not None and state.get("param_groups"):
-            _regroup(unwrap(self.model), self.optimizer, state["param_groups"])
+            regroup(unwrap(self.model), self.optimizer, state["param_groups"])
         self.steps, self._stage = state["steps"], state["stage"]
         self.size_start, self.size_target = state["size_start"], state["size_target"]
         self._size_initial = state.get("size_initial", self._size_initial)
