@@ -28,12 +28,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from comera_compile.nn import PruneResult, TensorizedLayer, tensorized_layers
-from comera_compile.nn.base import decode_layout
+from comera_compile.nn.base import LAYOUT_KEY, decode_layout
 from comera_compile.nn.gates import alive
 from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.pruning import prune_layer
-
-EXTRA = "_extra_state"
 
 __all__ = [
     "cut_to_checkpoint",
@@ -301,7 +299,7 @@ def cut_to_checkpoint(model: nn.Module, checkpoint_id: str, prefix: str = "model
 
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     layers = tensorized_layers(model)
-    wanted = {f"{prefix}{name}.{EXTRA}": name for name in layers}
+    wanted = {f"{prefix}{name}.{LAYOUT_KEY}": name for name in layers}
     state = {
         key: torch.empty(metadata[key].size, dtype=torch.uint8)
         for key in wanted
