@@ -25,10 +25,15 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from comera_compile.compile.state import compiled_state
 from comera_compile.formats import positive_int
 from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
+from comera_compile.training.compiled import (
+    COMPILED_MIN_CUT,
+    announce_run,
+    is_compiled,
+    worth_cutting,
+)
 from comera_compile.training.distributed import Collective, unwrap
 from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.history import History
@@ -45,6 +50,8 @@ from comera_compile.training.schedule import EARLY, LATE, Plateau, SizeTargetSch
 from comera_compile.training.size import model_size
 from comera_compile.training.start import end_ratio
 
+__all__ = ["COMPILED_MIN_CUT", "TARGET_TOLERANCE", "RankAdaptiveTrainer", "is_compiled"]
+
 PRUNE_EVERY = 100
 """``prune_every="auto"``: how often dead channels are looked for and cut out."""
 
@@ -55,24 +62,6 @@ SWITCH_SLACK = 0.01
 """The switch rule counts a size within this share above its budget as met: the size floor
 holds the size just above the budget, and a rule waiting for ``S <= S_t`` exactly would
 keep the task loss at a tenth of its weight for good."""
-
-COMPILED_MIN_CUT = 1 / 3
-"""A compiled model recompiles at every shape change, so it is cut only once a third of its
-core parameters are dead, and where the run needs its final shapes: at most a few
-compiles per run (``1 + log(1 / ratio) / log(3 / 2)`` cuts to reach a size ratio)."""
-
-
-def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model``'s training steps run through ``torch.compile`` (wrapped, or
-    compiled in place; not where ``optimize``'s measured compile chose eager)."""
-    return compiled_state(model).compiled
-
-
-def cuts_recompile(model: nn.Module) -> bool:
-    """Whether a rank cut makes ``model``'s training steps compile again: they run compiled
-    (``is_compiled``), at static ranks (``MeasuredCompile.cuts_recompile``)."""
-    return compiled_state(model).cuts_recompile
-
 
 def _is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 sharded (part of) ``model``; never imports FSDP where it is absent."""
@@ -203,7 +192,8 @@ class RankAdaptiveTrainer:
         self.last_pruned: dict[str, PruneResult] = {}
         self._size_initial = self._size_of(self._counts)
         self._bar = tqdm(total=self.total_steps, unit="step") if progress else None
-        self._announce_shape_change()
+        if self.prune_every is not None:
+            announce_run(model, self.steps, self.total_steps, self.early_steps)
 
     # ----- what the loop calls ------------------------------------------------------------
     @property
@@ -316,55 +306,17 @@ class RankAdaptiveTrainer:
         live = sum(self.bank.layer_parameters(counts))
         return 1.0 - live / stored if stored else 0.0
 
-    def _prune_if_worth_it(self, counts: list[int], required: bool = False) -> None:
-        """Prune when the cut is worth a shape change: always for an eager model (or one
-        compiled at symbolic ranks); for one that recompiles per cut, when
-        ``COMPILED_MIN_CUT`` of the cores are dead or where the run needs its final shapes
-        (``required``: the budget's end, the run's end)."""
-        share = self.dead_share(counts)
-        compiled = cuts_recompile(self.model)
-        if compiled and share > 0 and (share >= COMPILED_MIN_CUT or required):
-            compiled = self._keep_compiled()
-        min_cut = COMPILED_MIN_CUT if compiled else 0.0
-        if share > 0 and (share >= min_cut or required):
+    def _prune_if_worth_it(self, counts: list[int], required: bool) -> None:
+        if worth_cutting(self.model, self.dead_share(counts), required, self.steps,
+                         self.total_steps):
             self.prune()
-
-    def _announce_shape_change(self) -> None:
-        """Tell a measured compile (``optimize``'s default) how long its training graph
-        will serve, where the run's length is known: until the first cut (the end of the
-        early stage) where a cut recompiles, else until the run's end. It then compiles
-        only if that can pay by then. A run that cuts ranks compiles the whole model rather
-        than blocks of static ranks (``MeasuredCompile.expect_cuts``)."""
-        impl = compiled_state(unwrap(self.model)).measured
-        if impl is None or self.prune_every is None:
-            return
-        impl.expect_cuts()
-        if self.total_steps is None:
-            return
-        if not impl.cuts_recompile:
-            impl.run_ends_after(self.total_steps - self.steps)
-        elif self.early_steps is not None:
-            impl.shapes_change_after(self.early_steps)
-
-    def _keep_compiled(self) -> bool:
-        """Before a cut of a model ``optimize`` compiled (its measured compile): keep it
-        compiled only if the recompile the cut causes is paid back by the compiled step's
-        measured gain over the steps the run has left; else run it eager from now on."""
-        impl = compiled_state(unwrap(self.model)).measured
-        if impl is None or self.total_steps is None:
-            return True
-        why = impl.why_not_recompile(self.total_steps - self.steps)
-        if not why:
-            return True
-        impl.run_eager(f"from step {self.steps}: {why}")
-        return False
 
     def start_late_stage(self, counts: list[int] | None = None) -> None:
         """Switch to the late stage now: prune (unless ``prune_every=None``), then fix
         ``S_t``, ``L_t``, the R scale and the budget schedule."""
         counts = self._read()[0] if counts is None else counts
         if self.prune_every:
-            self._prune_if_worth_it(counts)
+            self._prune_if_worth_it(counts, required=False)
         self.size_start = self._size_of(counts)
         if self.target_bytes is not None:
             self.size_target = float(self.target_bytes)
