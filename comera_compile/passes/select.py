@@ -1,13 +1,9 @@
-"""Select: which of the eligible layers (``eligible.py``) to tensorize, and each one's
-ranks, to spend a budget well.
+"""Select: which eligible layers to tensorize, and each one's ranks, to spend a budget well.
 
-The allocator (``allocate.py``) picks every eligible layer's ranks, per bond for
-pretrained weights, so the model lands between 95% and 100% of the budget, minimising the
-loss that fits the init (``layer_loss.py``). Training from scratch, where it
-tensorized some copies of a layer in repeated blocks and left others dense, all are
-tensorized and the budget spread again (``_unlike_copies``), and copies' ranks are made
-alike (``_alike_ranks``), so the blocks keep one shape. Without a budget every eligible
-layer gets the rank cap (30, as CoMERA).
+The allocator (``allocate.py``) lands the model between 95% and 100% of the budget at the
+least loss for the init. Training from scratch, copies of a layer in repeated blocks are
+all tensorized alike (``_unlike_copies``, ``_alike_ranks``) so the blocks keep one shape.
+Without a budget every eligible layer gets the rank cap.
 """
 
 from __future__ import annotations

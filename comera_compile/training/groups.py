@@ -1,12 +1,9 @@
-"""Optimizer parameter groups: structure-aware learning rates from the dense model's one.
+"""Optimizer parameter groups: structure-aware learning rates from the dense model's one,
+and the groups saved and restored by parameter name across prunes.
 
-A user knows the learning rate of the dense model; a tensorized layer's cores are small
-linear maps of very different fan-ins, and one rate for all of them is wrong for most
-(too slow for the thin output cores, too fast for wide ones). ``param_groups(model, lr)``
-gives each core the rate that makes it move its output as much per step as the dense layer
-would (``formats.scaling``: ``lr * F / (L * F_k)``), the gates ten times the dense rate
-(the reference's gate-to-core ratio), and everything else ``lr``. Without ``lr`` it keeps
-the reference code's fixed rates.
+Cores of very different fan-ins want different rates: ``param_groups(model, lr)`` gives
+each core the rate that moves its output as much as the dense layer would
+(``formats.scaling``), the gates ten times ``lr`` and the rest ``lr``.
 """
 
 from __future__ import annotations
