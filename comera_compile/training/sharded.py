@@ -69,13 +69,11 @@ def shard(
 ) -> nn.Module:
     """``fully_shard`` each block, then ``model`` itself, keeping the rank gates whole.
 
-    ``blocks``: the modules to shard as groups of their own (a Hugging Face model's
-    decoder layers by default), or a predicate over ``model.modules()``. Keyword arguments
-    go to every ``fully_shard`` call (``mesh``, ``reshard_after_forward``, ``mp_policy``,
-    ``offload_policy``); ``shard_placement_fn`` and ``ignored_params`` are refused: a prune
-    re-shards on dim 0, and the gates are the ignored parameters. Call it before building
-    the optimizer and the trainer (they must hold the sharded parameters). Returns
-    ``model``, sharded in place.
+    ``blocks``: the modules to shard as groups (a Hugging Face model's decoder layers by
+    default), or a predicate. Keyword arguments go to every ``fully_shard`` call;
+    ``shard_placement_fn`` and ``ignored_params`` are refused (a prune re-shards on dim 0, and
+    the gates are the ignored parameters). Call it before building the optimizer and the
+    trainer. Returns ``model``, sharded in place.
     """
     for refused in ("shard_placement_fn", "ignored_params"):
         if fully_shard_kwargs.get(refused) is not None:
@@ -277,11 +275,9 @@ def prune_sharded(
 
 # ----- checkpoints ---------------------------------------------------------------------------
 def full_state_dict(model: nn.Module, cpu_offload: bool = True) -> dict[str, Any]:
-    """The whole model's state dict, layouts included (collective: every rank calls it).
-    With ``cpu_offload`` (the default) only rank 0 gets it, in CPU memory, and the others
-    an empty dict; without, every rank gets it on the model's device. Load it into an
-    unsharded model of the same build (``load_state_dict`` cuts its layers to the saved
-    ranks) to ``comera_compile.save`` it."""
+    """The whole model's state dict, layouts included (collective). With ``cpu_offload`` only
+    rank 0 gets it, on the CPU; load it into an unsharded model of the same build to
+    ``comera_compile.save`` it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
@@ -289,12 +285,10 @@ def full_state_dict(model: nn.Module, cpu_offload: bool = True) -> dict[str, Any
 
 
 def cut_to_checkpoint(model: nn.Module, checkpoint_id: str, prefix: str = "model.") -> int:
-    """Cut a freshly built, unsharded model's tensorized layers to the ranks saved in a
-    ``torch.distributed.checkpoint`` directory, before ``shard`` and the optimizer: the
-    sharded load then finds every tensor at its saved shape. ``prefix`` is where the
-    model's state dict sits in the saved dict (``{"model": ...}`` by default). Collective
-    when a process group is initialised (every rank reads the layouts). Returns how many
-    layers changed."""
+    """Cut a freshly built, unsharded model's layers to the ranks saved in a
+    ``torch.distributed.checkpoint`` directory, before ``shard``, so the sharded load finds
+    every tensor at its saved shape. ``prefix``: where the model's state sits in the saved
+    dict. Collective where a process group is up. Returns how many layers changed."""
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata

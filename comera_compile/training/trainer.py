@@ -450,11 +450,9 @@ class RankAdaptiveTrainer:
         return sum(sizes) + self._other
 
     def _hold_floor(self, counts: list[int]) -> None:
-        """Where this step's threshold deaths took the size below ``size_floor`` (and below
-        where it was), switch the most energetic of them back on until it is not
-        (``revive_fresh_deaths``; ``counts`` is updated to match). Channels are cut below
-        the budget only by choice (``_meet_budget``, least energy first), never by a bond's
-        gates falling through the threshold together."""
+        """Where this step's threshold deaths took the size below ``size_floor`` (and below where
+        it was), switch the most energetic back on (``revive_fresh_deaths``): channels go below
+        the budget only by choice (``_meet_budget``)."""
         floor = self.size_floor()
         if floor is None:
             return
