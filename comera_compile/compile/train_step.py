@@ -127,15 +127,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 class TrainStep:
     """``step(batch) -> loss``: one training step, replayed from a CUDA Graph on CUDA.
 
-    ``loss_fn(model, batch)`` returns the scalar loss. On CUDA the returned loss is a static
-    tensor overwritten by the next call (``.item()`` or ``.clone()`` it to keep it).
-
-    On CUDA: recorded as one CUDA Graph after ``warmup`` steps on a side stream (whose
-    effect on parameters and optimizer state is undone), replayed on each call, recorded
-    again when the batch layout or a parameter shape changes. The optimizer is switched to
-    ``capturable=True``. On CPU: the forward + loss is compiled with the ``comera`` backend.
-    ``compile`` (default: on for CPU, off for CUDA, where the graph already removes the
-    launch overhead) compiles the forward + loss with the backend in both cases.
+    ``loss_fn(model, batch)`` returns the scalar loss; on CUDA it is a static tensor the next
+    call overwrites. On CUDA the step is recorded after ``warmup`` side-stream steps (their
+    effect undone), with the optimizer switched to ``capturable=True``, and recorded again
+    when the batch layout or a parameter shape changes. ``compile`` (default: on CPU only)
+    compiles the forward and loss with the ``comera`` backend.
     """
 
     def __init__(

@@ -68,14 +68,9 @@ def _mallopt():
 
 
 def set_host_memory(mode: str) -> bool:
-    """Process-wide, for every model and tensor: ``"cache"`` keeps freed blocks of 1 MiB
-    or more by size for the next request of that size (no page faults, no heap holes;
-    smaller blocks as under reuse);
-    ``"reuse"`` keeps freed blocks in glibc's heap (no page faults, more resident memory);
-    ``"release"`` unmaps every freed block of 128 KiB or more at once (the least resident
-    memory, a page fault per page touched anew); ``"off"`` does nothing (see
-    :func:`restore_host_memory` to undo a mode). Returns False where it cannot be set: the
-    C library is not glibc, or (``"cache"``) the block cache cannot be built."""
+    """Set the process-wide mode (module docstring) for every model and tensor; ``"off"`` does
+    nothing (:func:`restore_host_memory` undoes a mode). Returns False where it cannot be
+    set: the C library is not glibc, or the block cache of ``"cache"`` cannot be built."""
     if mode not in HOST_MEMORY_MODES:
         raise ValueError(f"host memory mode must be one of {list(HOST_MEMORY_MODES)}, "
                          f"got {mode!r}")

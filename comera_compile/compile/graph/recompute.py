@@ -138,18 +138,11 @@ def is_random(node: fx.Node) -> bool:
 
 
 def save_random_values(graph: fx.Graph) -> int:
-    """Mark a joint graph's random values; returns how many were marked saved.
-
-    A random value is a random node, or a node computed from random draws and fixed values
-    alone. Two cases:
-
-    * drawn from **keys** (a random node under :data:`SMALL` bytes, such as the two keys
-      per call that ``compile.cpu.dropout`` hashes each element's index with): the keys are
-      saved and everything computed from them (the mask) is marked recomputed, so no mask
-      is stored at all and backward rehashes it inside its own kernel;
-    * drawn **per element** (aten's ``bernoulli``, ``rand``): each such value that
-      something else reads is saved, i.e. the mask rather than the draws it came from,
-      the smallest form (then kept as bits by :func:`pack_saved_masks`)."""
+    """Mark a joint graph's random values (random nodes, and nodes computed from them and fixed
+    values alone); returns how many were marked saved. Values drawn from keys (random nodes
+    under :data:`SMALL` bytes, as ``compile.cpu.dropout`` draws) keep their keys and are
+    recomputed; values drawn per element are saved where something else reads them (then
+    kept as bits by :func:`pack_saved_masks`)."""
     fixed: set[fx.Node] = set()  # computed from no graph input: constants, an arange
     derived: set[fx.Node] = set()  # computed from random draws and fixed values only
     keyed: set[fx.Node] = set()  # ... from small random draws (keys) and fixed values only
@@ -190,13 +183,9 @@ def _packable(node: fx.Node) -> bool:
 
 
 def pack_saved_masks(graph: fx.Graph) -> int:
-    """Keep each saved boolean mask of a joint graph as bits; returns how many.
-
-    ``mask`` becomes ``packed = sum(mask_bytes << [0..7])`` (marked saved) and
-    ``unpacked = (packed >> [0..7]) & 1`` (marked recomputed), which every former reader of
-    ``mask`` reads instead: the forward and backward each unpack in their own fused kernel,
-    and only the packed bytes live from one to the other. Masks of symbolic shape stay bytes.
-    """
+    """Keep each saved boolean mask of a joint graph as bits; returns how many. ``mask``
+    becomes a packed byte per eight elements (saved) and an unpacking (recomputed) its
+    readers read instead. Masks of symbolic shape stay bytes."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     count = 0
     for mask in [n for n in graph.nodes if _packable(n)]:

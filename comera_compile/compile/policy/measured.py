@@ -243,12 +243,10 @@ class MeasuredCompile:
 
     @property
     def compiled_form(self) -> Callable[..., Any]:
-        """What compiled calls run, fixed at the first. Ranks are symbolic if asked, or by
-        default where the run will cut ranks (``expect_cuts``, ``shapes_change_after``):
-        symbolic graphs run a little slower, and survive every cut. Then the model's blocks
-        where they pay (``blocks.why_not_blocks``: ranks apart where symbolic) and, at static
-        ranks, the run does not cut (cut blocks would differ, each a graph of its own, while
-        the whole model recompiles once per cut); else the whole model."""
+        """What compiled calls run, fixed at the first: ranks symbolic if asked or where the run
+        will cut ranks; the model's blocks where they pay (``blocks.why_not_blocks``) unless, at
+        static ranks, the run cuts (each cut block would be a graph of its own); else the whole
+        model."""
         if self._form is None:
             cuts = self.cuts_expected or self.calls_before_change is not None
             symbolic = cuts if self.symbolic_ranks is None else self.symbolic_ranks
@@ -309,11 +307,10 @@ class MeasuredCompile:
         return out
 
     def _eager_training_call(self, start: float) -> None:
-        """An eager training call starts at ``start``, ending the period of the one before.
-        Two periods give the bound (``compile.policy.step_bound``): a profiled one, the time that
-        compiled code keeps; the step's time is the shorter of it and the next, unprofiled,
-        one (the profiler adds its own time to every op it records, and reading its results
-        takes a while; other work on the machine adds to either)."""
+        """An eager training call starts at ``start``, ending the period of the one before. A
+        profiled period gives the time compiled code keeps, the next unprofiled one the step's
+        time (the profiler slows what it records): together, the bound
+        (``compile.policy.step_bound``)."""
         if self._training_start is not None:
             period = start - self._training_start
             if self._profile is not None:
