@@ -38,11 +38,9 @@ HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 process-wide (``comera_compile.compile.cpu.host_memory``)."""
 
 LOW_MEMORY = 0.999
-"""The activation budget ``memory="low"`` stands for. Any budget below 1 recomputes the
-outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them alone
-(``compile.graph.recompute``) and lets the min-cut recompute long fusible chains; 0.999
-stops there, asking AOT autograd's flop-priced knapsack for nothing more. Lower budgets
-also recompute layer norms, attention and the rest of each layer."""
+"""The activation budget ``memory="low"`` stands for: any budget below 1 recomputes wide
+thin-product outputs (``compile.graph.recompute``), and 0.999 asks AOT autograd's knapsack
+for nothing more (lower budgets also recompute norms, attention and the rest)."""
 
 ACTIVATION_BUDGETS = {"default": 1.0, "low": LOW_MEMORY}
 """``memory`` settings by name, as AOT autograd activation budgets (the fraction of

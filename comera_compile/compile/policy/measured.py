@@ -31,16 +31,13 @@ COMPILED, EAGER = "compiled", "eager"
 TRAINING, INFERENCE = "training", "inference"
 
 MARGIN = 1.05
-"""The least a compiled step must gain: a profiled bound under it never compiles, and on
-CUDA a raced step is kept from it (``KEEP``). A recompile (a new batch-size region, a
-pruned rank) costs seconds, so a gain within timing noise is not worth it."""
+"""The least a compiled step must gain: a recompile costs seconds, so a gain within timing
+noise is not worth it (a profiled bound under it never compiles)."""
 
 KEEP = {"cpu": 1.3, "cuda": MARGIN}  # calibration: docs/cpu-performance.md
-"""How much faster the raced compiled step must be for the run to keep it. On CPU a race's
-ratio comes out above the steady one, every later recompile (a new batch-size region, an
-evaluation shape) is costly, and a user reading "compiled" in the summary expects a clear
-gain: below ``KEEP`` the run stays eager and ``summary`` says what the race measured. On
-CUDA recompiles are cheap: ``MARGIN``."""
+"""How much faster the raced compiled step must be for the run to keep it: on CPU a race's
+ratio comes out above the steady one and later recompiles are costly; on CUDA they are
+cheap."""
 
 CLOSE, CLOSE_TRIALS = 0.1, 4  # calibration: docs/cpu-performance.md
 """A race whose ratio lands within ``CLOSE`` of ``KEEP`` times ``CLOSE_TRIALS`` more calls of
@@ -50,20 +47,17 @@ MAX_SPEEDUP = {"cpu": 1.5, "cuda": 4.0}  # calibration: docs/cpu-performance.md
 """The most a compiled training step has gained over eager, with room."""
 
 MIN_COMPILE_S = 15.0  # calibration: docs/cpu-performance.md
-"""What a training graph's first compile costs at the least: about half the fastest measured
-from an empty cache, leaving room for faster machines. Gains under this cannot pay for
-compiling."""
+"""What a training graph's first compile costs at the least (about half the fastest
+measured, for faster machines): gains under this cannot pay for compiling."""
 
 REALIZED = 0.3  # calibration: docs/cpu-performance.md
 """The share of a profiled step's removable time (``compile.policy.step_bound``) a compiled
-CPU step is expected to remove (inductor's kernels take time too). Taken from the low end
-of what was measured: a compile that does not pay leaves the run slower than eager, one not
-made leaves it as fast."""
+CPU step is expected to remove: the low end of what was measured, since a compile that
+does not pay leaves the run slower than eager."""
 
 FIRST_COMPILE_S = 30.0  # calibration: docs/cpu-performance.md
-"""What a first compile of a training graph is expected to cost on CPU (``python
-benchmarks/pooled_kernels.py`` measures it). Used with a profiled bound, where the estimate
-is what compiling is expected to save, not the most it could."""
+"""What a first compile of a training graph is expected to cost on CPU, set against what
+compiling is expected to save where a profiled bound is known."""
 
 
 def expected_speedup(bound: float, compiled_share: float = 1.0) -> float:
@@ -81,8 +75,7 @@ def wait_for(best: float) -> float:
 
 WAIT_S = {device: wait_for(best) for device, best in MAX_SPEEDUP.items()}
 """Eager seconds of calls (training and inference apart) before a run of unknown length
-starts racing, where no profiled bound is known. Set
-``MeasuredCompile.wait_s`` to fix it for one model."""
+starts racing, where no profiled bound is known (``MeasuredCompile.wait_s`` sets one)."""
 
 WARMUP = {COMPILED: 2, EAGER: 1}
 """Untimed calls per mode: the first compiled call compiles (for training: its forward,
