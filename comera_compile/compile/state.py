@@ -1,10 +1,8 @@
 """How a model runs with respect to the compiler, asked through one public function.
 
-The trainer (when to cut ranks, whether a recompile pays) and the summary (what runs)
-need to know whether a model runs compiled and how. They ask :func:`compiled_state`
-rather than reading the private attribute ``torch.compile`` installs on a module
-compiled in place (``_compiled_call_impl``). Nothing here imports dynamo or inductor: a
-model can only be compiled once they are loaded.
+The trainer and the summary ask :func:`compiled_state` rather than reading the private
+attribute ``torch.compile`` installs on a module compiled in place. Nothing here imports
+dynamo or inductor.
 """
 
 from __future__ import annotations
