@@ -64,3 +64,19 @@ def test_no_advice_for_a_format_that_beat_dense(monkeypatch):
     assert advice.narrow_dense_advice("random", 4_000_000, 1_000_000, {"btt"}) == ""
     assert "format='btt' did" in advice.narrow_dense_advice("random", 4_000_000, 1_000_000,
                                                             {"cola"})
+
+
+def test_no_frontier_advice_where_only_embedding_tables_are_compressed(monkeypatch):
+    """The race compares stacks of Linear layers: a recommender whose only compressed layers
+    are its tables gets no 'narrower dense model' line, one with a compressed Linear does."""
+    monkeypatch.setattr(advice, "NARROW_DENSE_WINS", True)
+    monkeypatch.setattr(advice, "BEAT_DENSE", frozenset())
+    torch.manual_seed(0)
+    tables = nn.Sequential(nn.Embedding(4096, 64), nn.Linear(64, 512), nn.ReLU(),
+                           nn.Linear(512, 64))
+    only_table = cc.optimize(tables, cc.CompressionConfig(budget=0.5, exclude=["1", "3"],
+                                                          compile=False))
+    assert [r["format"] for r in cc.summary(only_table).records] == ["tt_embedding"]
+    assert "dense model of the same depth" not in cc.summary(only_table).advice
+    both = cc.optimize(tables, budget=0.5, compile=False)
+    assert "dense model of the same depth" in cc.summary(both).advice

@@ -326,4 +326,4 @@ def test_copies_in_repeated_blocks_get_the_same_ranks(monkeypatch):
     assert 0.95 * 0.05 * before <= params <= 0.05 * before
     monkeypatch.setattr(select, "_alike_ranks", lambda options, plans, states, *_: states)
     unlike = cc.optimize(build(), budget=0.05, example_inputs=x, compile=False)
-    assert distinct_shapes(repeated_blocks(unlike), symbolic_ranks=False) == 2
+    assert distinct_shapes(repeated_blocks(unlike), symbolic_ranks=False) > 1

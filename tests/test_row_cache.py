@@ -91,9 +91,14 @@ def test_cached_rows_fixed_bags_and_weights_match_the_table(mode):
                                    rtol=1e-10, atol=1e-10)
 
 
-def test_a_freshly_filled_cache_changes_nothing_and_reads_no_core_for_a_hit():
-    """Filled from the cores, the cached table equals the same cores without a cache; a
-    batch of hits only gives the cores no gradient (a lookup never reads both)."""
+@pytest.mark.parametrize("chunk", [4096, 7])
+def test_a_freshly_filled_cache_changes_nothing_and_reads_no_core_for_a_hit(chunk, monkeypatch):
+    """Filled from the cores (whole, or ``chunk`` ids at a time, as a large cache is), the
+    cached table equals the same cores without a cache; a batch of hits only gives the
+    cores no gradient (a lookup never reads both)."""
+    from comera_compile.nn import tt_embedding
+
+    monkeypatch.setattr(tt_embedding, "FILL_CHUNK", chunk)
     torch.manual_seed(0)
     plain = TTEmbedding(5000, 16, ranks=6, mode="sum").double()
     cached = TTEmbedding(5000, 16, ranks=6, mode="sum", cache_rows=50).double()

@@ -116,3 +116,24 @@ def test_a_forward_reading_only_the_weights_shape_keeps_the_layer_tensorized():
     with torch.no_grad():
         want = optimized.down(torch.relu(optimized.up(optimized.lin(X))))
         torch.testing.assert_close(optimized(X), want)
+
+
+def test_capturing_by_export_leaves_no_graph_behind():
+    """A model fx cannot trace is captured with ``torch.export``, which keeps its last graph
+    (nodes, fake tensors, shape environment) in a module-level map: ``optimize`` empties it,
+    so no fake tensor it made outlives the call."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from tests.hf_models import llama
+
+    def fakes() -> set[int]:  # compiled graphs of earlier tests may hold their own
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if isinstance(o, FakeTensor)}
+
+    build, inputs, _ = llama()
+    before = fakes()
+    model = cc.optimize(build(), budget=0.5, example_inputs=inputs, compile=False)
+    assert "torch.export" in cc.summary(model).capture_reason
+    assert not fakes() - before

@@ -50,6 +50,9 @@ from comera_compile.planner.ops import planned_lookup
 _BAG_MODES = (None, "sum", "mean", "max")
 RECOMPUTED_IDS = 512
 """Ids whose lookup a recomputing backward rebuilds at once (``TTEmbedding.recompute_lookup``)."""
+FILL_CHUNK = 4096
+"""Ids whose rows a cache fill builds from the cores at once (the fill is a one-off; built
+whole, its partial products would set the training run's peak memory)."""
 
 
 class TTEmbedding(TensorizedLayer):
@@ -191,8 +194,10 @@ class TTEmbedding(TensorizedLayer):
         self.cache.ids.fill_(EMPTY)
         self.cache.ids[first:] = chosen
         self.cache.weight.zero_()
-        if chosen.numel():
-            self.cache.weight[first:] = self._core_rows(chosen).to(self.cache.weight.dtype)
+        for start in range(0, chosen.numel(), FILL_CHUNK):  # a lookup's partial products
+            part = chosen[start:start + FILL_CHUNK]  # are many times wider than its rows
+            self.cache.weight[first + start:first + start + part.numel()] = self._core_rows(
+                part).to(self.cache.weight.dtype)
         self._cache_filled = bool(chosen.numel())
         self._tally.clear()
 

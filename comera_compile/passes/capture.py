@@ -201,12 +201,26 @@ def _export_weight_reads(program: Any, model: nn.Module) -> set[str]:
     return found
 
 
+def _forget_export_graph() -> None:
+    """Drop the map from fake tensors to graph nodes that torch keeps at module level after
+    an export: it holds the last exported graph, its fake tensors and shape environment
+    alive for the rest of the process, memory the caller's training would pay for."""
+    from torch.fx.experimental import proxy_tensor
+
+    table = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if isinstance(table, dict):
+        table.clear()
+
+
 def export_called(model: nn.Module, example_inputs: Any) -> tuple[set[str], set[str]]:
     """Names of the modules that own at least one node of the exported graph, and of those
     whose weight is read outside their own call."""
     args, kwargs = as_call(example_inputs)
-    with quiet_eval(model):
-        program = torch.export.export(_TensorOutputs(model), args, kwargs, strict=False)
+    try:
+        with quiet_eval(model):
+            program = torch.export.export(_TensorOutputs(model), args, kwargs, strict=False)
+    finally:
+        _forget_export_graph()
     called: set[str] = set()
     for node in program.graph.nodes:
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():

@@ -3,8 +3,10 @@
 Layers too small to win, small classifier heads, narrow layers (at most 16 inputs or
 outputs: one TT bond would cap their rank), layers the forward never calls and anything
 the user excluded stay dense, each with its reason. Small ``sparse=True`` tables are held
-dense while the budget can be met without them. What is left becomes an :class:`Option`:
-the layer with its format, modes and rank cap, which ``select`` then sizes.
+dense while the budget can be met without them, and so, training from scratch, are a
+language model's token embedding and output head (``hold_token_ends``). What is left
+becomes an :class:`Option`: the layer with its format, modes and rank cap, which
+``select`` then sizes.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ MIN_PARAMS = 4096  # smaller layers stay dense: launch overhead beats any saving
 HEAD_CLASSES = 16  # Linear layers with fewer outputs are classifier heads: kept dense
 NARROW = 16  # Linear layers with at most this many inputs or outputs are kept dense
 MIN_SPARSE_TABLE = 1 << 18  # sparse=True tables with fewer entries are kept dense
+TOKEN_ENDS_SHARE = 0.1  # a from-scratch LM's embedding and head, held dense up to this share
 
 
 @dataclass
@@ -181,6 +184,36 @@ def _held_dense(cand: Candidate) -> str:
                 "its lookup and sparse update cost less than a TT lookup's fixed cost per call "
                 "(tens of small kernels); tensorized only when the budget needs it, or include it")
     return ""
+
+
+def hold_token_ends(options: list[Option], model: nn.Module) -> None:
+    """Training from scratch, hold a language model's token embedding and output head dense
+    unless the budget cannot be met without them.
+
+    CoLA and the BTT papers compress the blocks and keep both ends dense: a compressed head
+    caps the rank of the logits, and an embedding's rows are read, not multiplied, so
+    compressing them saves no arithmetic. Held only where the two are a small share of
+    the model (``TOKEN_ENDS_SHARE``; a large vocabulary's ends compete like every layer,
+    and a rank-adaptive trainer can still shrink the model below the budget it started
+    at). Found as Hugging Face's ``get_input_embeddings()`` /
+    ``get_output_embeddings()``; a selection the user made (``include``, ``filter_fn``,
+    ``layer_config``) is kept as made."""
+    ends: list[nn.Module] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError, TypeError):
+            continue
+        if isinstance(module, nn.Module):
+            ends.append(module)
+    held = [o for o in options if any(o.cand.module is end for end in ends)
+            and not (o.forced or o.configured or o.held)]
+    total = sum(p.numel() for p in model.parameters())
+    if sum(o.cand.dense_params for o in held) > TOKEN_ENDS_SHARE * total:
+        return
+    for option in held:
+        option.held = ("the token embedding or output head of a language model trained "
+                       "from scratch: kept dense unless the budget needs it, or include it")
 
 
 def eligible_options(

@@ -17,7 +17,7 @@ from comera_compile.passes.budget import parse_budget
 from comera_compile.passes.candidates import find_candidates
 from comera_compile.passes.capture import capture
 from comera_compile.passes.choose import ALLOCATED_AS, AUTO, choose_formats
-from comera_compile.passes.eligible import eligible_options, weigh_tables
+from comera_compile.passes.eligible import eligible_options, hold_token_ends, weigh_tables
 from comera_compile.passes.fuse import fuse_captured
 from comera_compile.passes.materialize import materialize, on_meta
 from comera_compile.passes.report import OptimizeReport, attach_report, layer_records
@@ -120,10 +120,13 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
     before = _totals(target, shapes.total_macs if shapes else None)
 
     def options_in(fmt: str) -> tuple[list, dict]:
-        return eligible_options(candidates, shapes.layers if shapes else None, called,
-                                include, exclude, filter_fn, layer_config,
-                                ALLOCATED_AS if fmt == AUTO else fmt, max_rank,
-                                named=config.format is not None)
+        found, why = eligible_options(candidates, shapes.layers if shapes else None, called,
+                                      include, exclude, filter_fn, layer_config,
+                                      ALLOCATED_AS if fmt == AUTO else fmt, max_rank,
+                                      named=config.format is not None)
+        if init == "random" and include is None and filter_fn is None:  # else the user chose
+            hold_token_ends(found, target)
+        return found, why
 
     options, skipped = options_in(layer_format)
     weights = grams = sensitivities = None

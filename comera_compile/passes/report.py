@@ -209,11 +209,22 @@ def summary(model: nn.Module) -> Summary:
         {n: m.tied_to for n, m in model.named_modules() if isinstance(m, TiedEmbeddingHead)},
         _notes(model, report),
         compiled,
-        "; ".join(a for a in (_advice(report, records), narrow_dense_advice(
-            report.init if report else None, before, after,
-            {m.format for m in model.modules() if isinstance(m, TensorizedLayer)})) if a),
+        "; ".join(a for a in (_advice(report, records), _narrow_dense(model, report, before,
+                                                                      after)) if a),
         getattr(report, "recompute", None),
     )
+
+
+def _narrow_dense(model: nn.Module, report: OptimizeReport | None, before: int,
+                  after: int) -> str:
+    """The frontier's advice, for models whose compressed layers include Linear ones: the
+    race compares stacks of Linear layers, and says nothing of a recommender whose only
+    compressed layers are its embedding tables."""
+    linear = {m.format for m in model.modules()
+              if isinstance(m, TensorizedLayer) and not isinstance(m, TTEmbedding)}
+    if not linear:
+        return ""
+    return narrow_dense_advice(report.init if report else None, before, after, linear)
 
 
 FROM_SCRATCH_ADVICE = (

@@ -25,8 +25,10 @@ from comera_compile.nn.gates import hard_threshold
 ROWS = 256
 """Rows of logits the forward exponentiates at once."""
 
-BLOCK_ELEMENTS = 2**24
-"""Logits the head's recomputing backward makes at once."""
+BLOCK_ELEMENTS = 2**25
+"""Logits the head's recomputing backward makes at once: each block reads the head's last
+factor and writes its gradient once more, so fewer, larger blocks are faster; a block is
+made after the forward's logits are freed."""
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -83,14 +85,24 @@ class _HeadCrossEntropySum(torch.autograd.Function):
         dbias = torch.zeros_like(bias) if bias is not None and need_bias else None
         scale = (valid * grad).to(h.dtype)
         picks = torch.where(valid, target, 0)
+        # scale * softmax = exp(logits - lse + log(scale)): the shift rides on the product
+        # (one pass over the block fewer for each of the subtraction and the scaling)
+        folded = bool((scale >= 0).all())
+        shift = (scale.log() if folded else torch.zeros_like(scale)) - lse.to(h.dtype)
         rows = max(1, BLOCK_ELEMENTS // w.shape[1])
         for start in range(0, h.shape[0], rows):
             part = slice(start, start + rows)
             hp = h[part]
-            p = hp @ w if bias is None else torch.addmm(bias, hp, w)
-            p.sub_(lse[part, None].to(p.dtype)).exp_()  # softmax of the block
-            p.scatter_add_(1, picks[part, None], torch.full_like(p[:, :1], -1.0))
-            p.mul_(scale[part, None])
+            if bias is None:
+                p = torch.addmm(shift[part, None], hp, w)
+            else:
+                p = torch.addmm(bias, hp, w).add_(shift[part, None])
+            p.exp_()  # the block's softmax, times its rows' scale where folded
+            if folded:
+                p.scatter_add_(1, picks[part, None], -scale[part, None])
+            else:
+                p.scatter_add_(1, picks[part, None], torch.full_like(p[:, :1], -1.0))
+                p.mul_(scale[part, None])
             if dh is not None:
                 torch.matmul(p, w.mT, out=dh[part])
             if dw is not None:
