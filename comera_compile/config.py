@@ -1,24 +1,16 @@
 """The two configuration objects: :class:`CompressionConfig` for ``optimize`` and
 :class:`CompileOptions` for the ``comera`` backend.
 
-Both are dataclasses checked when built (a bad value fails at once, with the accepted
-values in the message), and both turn into plain JSON-able dicts and back
-(``to_dict`` / ``from_dict``). ``optimize`` keeps the configuration it ran with in the
-model's report, so ``save`` writes it into the checkpoint and :func:`config_of` reads it
-back from a loaded model::
+Both are dataclasses checked when built (a bad value fails at once, naming the accepted
+values) and turn into JSON-able dicts and back (``to_dict`` / ``from_dict``), so ``save``
+writes the configuration ``optimize`` ran with and :func:`config_of` reads it back::
 
     config = cc.CompressionConfig(budget="40x", format="tt", max_rank=16,
                                   compile_options=cc.CompileOptions(memory="low"))
     model = cc.optimize(model, config)
     cc.config_of(model) == config          # also after save / load
 
-Budget forms (``CompressionConfig.budget`` and ``optimize``'s ``budget``): a float in
-(0, 1] is the share of parameters to **keep** (``0.05``: 5%, ``1.0``: everything); a
-string ``"40x"`` or ``Budget(ratio=40)`` is a **compression ratio**, 40 times smaller
-(the same as ``0.025``); an int is a parameter **count**, so small ints that read like a
-share or a ratio (``1``, ``40``, ``100``) are refused with the spelling that was probably
-meant. (The rank-adaptive trainer's ``target_ratio=0.2`` is a share to keep, like the
-float budget, not a compression ratio.)
+Budget forms: docs/budgets.md.
 """
 
 from __future__ import annotations
@@ -46,11 +38,9 @@ HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 process-wide (``comera_compile.compile.cpu.host_memory``)."""
 
 LOW_MEMORY = 0.999
-"""The activation budget ``memory="low"`` stands for. Any budget below 1 recomputes the
-outputs of thin (rank-bond) matmuls of 4 MiB or more and what is computed from them alone
-(``compile.graph.recompute``) and lets the min-cut recompute long fusible chains; 0.999
-stops there, asking AOT autograd's flop-priced knapsack for nothing more. Lower budgets
-also recompute layer norms, attention and the rest of each layer."""
+"""The activation budget ``memory="low"`` stands for: any budget below 1 recomputes wide
+thin-product outputs (``compile.graph.recompute``), and 0.999 asks AOT autograd's knapsack
+for nothing more (lower budgets also recompute norms, attention and the rest)."""
 
 ACTIVATION_BUDGETS = {"default": 1.0, "low": LOW_MEMORY}
 """``memory`` settings by name, as AOT autograd activation budgets (the fraction of
@@ -114,38 +104,24 @@ class CompileOptions:
     form: the fields of :data:`BACKEND_KEYS` by name, any other key an inductor entry).
 
     ``memory``: ``"default"``, ``"low"`` (recompute the wide outputs of thin products in
-    backward: less training memory for more step time; :data:`LOW_MEMORY`) or a budget in
-    ``(0, 1]``, AOT autograd's fraction of activations kept (lower: more recomputed).
-    ``host_memory`` (CPU, runtime only: not saved): ``"off"`` (the default) leaves torch's
-    CPU allocator and glibc's ``malloc`` settings alone; ``"cache"``, ``"reuse"`` and
-    ``"release"`` change them for the whole process (``comera_compile.compile.cpu.host_memory``:
-    faster CPU steps for more resident memory, or the reverse). The first compile that asks
-    for a mode sets it; a later one asking for another warns and leaves it. Where the block
-    cache of ``"cache"`` cannot be built, the backend falls back to ``"reuse"`` at the
-    default memory budget and to ``"release"`` below it.
-    ``cudagraphs``: run under CUDA Graph trees (None: on when the graph runs on CUDA).
-    ``autotune`` / ``objective``: override the layers' plan settings for this graph (None:
-    keep each layer's). ``inductor``: False stops after AOT autograd (eager kernels).
-    ``absorb_attention``: compute attentions whose Q, K, V and O are TT, low-rank or CoLA
-    layers through their rank bonds where that costs fewer flops.
-    ``join_products``: compute thin products of one activation by several weights (CoLA's
-    Q, K, V or gate and up factors) as one wider product.
-    ``pooled_kernels`` (CPU): build a generated module's kernels in one compiler run per
-    compile worker (``compile.cpu.pooled_kernels``); False: one run per kernel, as inductor.
-    ``dtype_rules_once``: build inductor's dtype rule table once per compile, not once per
-    generated op (``compile.cpu.dtype_rules``); False: inductor as it is.
-    ``inductor_config``: ``torch._inductor.config`` entries to patch while compiling
-    (checked against inductor's config when the model is compiled).
-    ``blocks``: compile the model's repeated blocks, one graph for blocks of equal shapes,
-    rather than the whole model (``comera_compile.compile.policy.blocks``; None: where each
-    graph would serve three blocks or more; True: required; False: the whole model).
-    ``symbolic_ranks``: True keeps the TT layers' rank bonds symbolic in the compiled
-    graphs, so rank cuts and blocks of different ranks need no new graph
-    (``comera_compile.compile.policy.rank_dims``; steps run a little slower); False: graphs
-    specialised to today's ranks (each cut recompiles); None: symbolic where ``optimize``'s
-    measured compile learns that the run cuts ranks (a rank trainer that prunes), else
-    static. Neither of these two is a backend option: ``torch.compile(model,
-    backend="comera")`` compiles what it is given, at static ranks.
+    backward: less memory for more step time; :data:`LOW_MEMORY`) or AOT autograd's
+    fraction of activations kept, in ``(0, 1]``.
+    ``host_memory`` (CPU, runtime only): ``"off"`` leaves the allocators alone; ``"cache"``,
+    ``"reuse"`` and ``"release"`` change them for the whole process
+    (``compile.cpu.host_memory``); the first compile that asks sets the mode.
+    ``cudagraphs``: run under CUDA Graph trees (None: on CUDA). ``autotune`` /
+    ``objective``: override the layers' plan settings (None: keep each layer's).
+    ``inductor``: False stops after AOT autograd. ``absorb_attention``: attention through
+    the rank bonds where that costs fewer flops. ``join_products``: thin products of one
+    activation joined into one. ``pooled_kernels`` (CPU): one compiler run per worker.
+    ``dtype_rules_once``: inductor's dtype rule table built once per compile.
+    ``inductor_config``: ``torch._inductor.config`` entries patched while compiling.
+    ``blocks``: compile the repeated blocks, one graph per shape (``compile.policy.blocks``;
+    None: where a graph serves three blocks or more; True: required; False: whole model).
+    ``symbolic_ranks``: keep rank bonds symbolic so cuts compile nothing
+    (``compile.policy.rank_dims``; slower steps); None: where the run cuts ranks. These two
+    are not backend options: ``torch.compile(model, backend="comera")`` compiles what it is
+    given, at static ranks.
     """
 
     memory: str | float = "default"
@@ -263,54 +239,34 @@ class CompressionConfig:
     Every setting and its default lives here; ``optimize``'s keywords ``budget``,
     ``format``, ``init`` and ``compile`` are shortcuts over these fields.
 
-    ``budget``: how small the result must be (module docstring: a float keeps a share, a
-    ``"40x"`` string or ``Budget(ratio=40)`` is a compression ratio, an int a parameter
-    count; None tensorizes every eligible layer at the default rank).
+    ``budget``: how small the result must be (a float keeps a share, ``"40x"`` or
+    ``Budget(ratio=40)`` is a compression ratio, an int a parameter count: docs/budgets.md;
+    None tensorizes every eligible layer at the default rank).
     ``format``: ``"cola"`` (``silu(x U) V``, the format that pays in pretraining), ``"tt"``
-    (each layer's order, i.e. modes per side, is the one with the cheapest planned training step
-    at the example batch, at equal parameters; ``layer_config`` can set ``order``), ``"ttm"``,
-    ``"lowrank"`` (``W = U V``: fastest per row, least accurate at high compression), ``"btt"``
-    (block tensor-train: full rank, a rank gate), ``"monarch"`` (full rank, sized by its block
-    count), ``"auto"`` (with ``init="dense"`` and example inputs: the layers are sized in low
-    rank, then each Linear layer gets the format of least output error at that size, and the
-    summary says why; without inputs low rank) or None (from scratch ``"cola"``, or ``"tt"``
-    where the budget is below CoLA's rank-1 floor; ``"auto"`` for ``init="dense"`` with example
-    inputs; else ``"tt"``). A format you name is kept.
-    ``init``: ``"random"`` (train from scratch, as CoMERA does) or ``"dense"`` (TT-SVD of
-    the current weights, for pretrained models). A model built under
-    ``torch.device("meta")`` takes ``init="random"``: cores are created on ``device`` and
-    only the rest of the model is allocated there, so no dense weight of a swapped layer
-    ever exists.
+    (each layer's order the one of cheapest planned training step at equal parameters),
+    ``"ttm"``, ``"lowrank"``, ``"btt"``, ``"monarch"``, ``"auto"`` (with ``init="dense"`` and
+    example inputs: each Linear gets the format of least output error at its low-rank size)
+    or None (from scratch ``"cola"``, or ``"tt"`` below CoLA's rank-1 floor; ``"auto"`` for
+    ``init="dense"`` with example inputs; else ``"tt"``). A format you name is kept.
+    ``init``: ``"random"`` (train from scratch) or ``"dense"`` (decompose the current weights).
+    A model built under ``torch.device("meta")`` takes ``"random"`` and no dense weight of a
+    swapped layer ever exists.
     ``max_rank``: a cap on every bond rank. ``include`` / ``exclude``: layer names or glob
-    patterns to consider or leave dense. ``filter_fn(module, name)``: False leaves a layer
-    dense (runtime only: not saved). ``layer_config``: per-layer settings by name
-    (``format``, ``ranks``, modes, ``order``; ``blocks`` for a Monarch layer).
-    ``objective``: the planner's cost (cotengra's ``"combo"``); ``autotune``: time the best
-    few contraction orders of each layer on first use. ``fuse``: merge sibling Linear
-    layers that read the same input (Q/K/V, gate/up) first, so they tensorize into one
-    chain; the forward changes, so ``optimize`` then returns the fused
-    ``torch.fx.GraphModule`` (the model must trace exactly). ``device``: where new cores
-    are created.
-    ``compile``: compile the result in place with the ``comera`` backend and
-    ``compile_options`` (``True``: eager until eager calls have taken as long as the best
-    compiled step would need to repay a first compile, then the first training and
-    inference steps timed compiled against eager and the faster kept, so compiling never
-    leaves a model slower, ``compile.policy.measured``; ``"always"``: compiled at once,
-    without timing; ``False``: eager).
-    ``row_cache``: the share of a recommender table's parameters (a bag or a ``sparse=True``
-    table) spent on a hot-row cache (``passes.row_cache``): ``"auto"`` gives one where the
-    example ids are skewed enough to pay and none where they are close to uniform, a number
-    in ``[0, 1)`` that share to every such table (0: none). ``cache_warmup``: training
-    batches whose ids are counted before each cache's rows are chosen and fixed.
-    ``recompute``: ``"bonds"`` runs each block of the model's stacks (a transformer's layers)
-    under a checkpoint that keeps only the block's input and its CoLA layers' rank-wide bonds
-    and recomputes the rest of the block in backward, as CoLA-M does (less training memory
-    for about one more forward of each block's wide half; ``compile.bond_recompute``); None
-    keeps what autograd keeps; ``"auto"`` (the default) recomputes where it pays: in a model
-    with CoLA layers in its stacks whose training step on ``example_inputs`` keeps more for
-    backward than its weights, gradients and AdamW moments weigh (without example inputs:
-    None). A Hugging Face causal LM's loss keeps no copy of the logits either way
-    (``training.causal_loss``).
+    patterns. ``filter_fn(module, name)``: False leaves a layer dense (runtime only).
+    ``layer_config``: per-layer settings by name (``format``, ``ranks``, modes, ``order``,
+    ``blocks``). ``objective`` / ``autotune``: the planner's cost and whether to time the
+    best few orders. ``fuse``: merge sibling Linear layers that read the same input first
+    (``optimize`` then returns the fused ``GraphModule``). ``device``: where cores are made.
+    ``compile``: ``True`` compiles with ``compile_options`` and keeps the compiled form only
+    where timed steps show it faster (``compile.policy.measured``); ``"always"`` compiles
+    without timing; ``False`` stays eager.
+    ``row_cache``: the share of a recommender table spent on a hot-row cache (``"auto"``:
+    where the example ids are skewed enough to pay); ``cache_warmup``: training batches
+    counted before the cached rows are fixed.
+    ``recompute``: ``"bonds"`` checkpoints each block keeping only its input and its CoLA
+    layers' rank-wide bonds (``compile.bond_recompute``); ``"auto"`` does so where the
+    example step keeps more for backward than the weights and AdamW state weigh; None
+    keeps what autograd keeps.
     """
 
     budget: float | int | str | Budget | None = None

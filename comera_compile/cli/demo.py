@@ -1,12 +1,9 @@
 """``comera demo``: optimize a transformer under a budget, train it with CoMERA, compare.
 
-A small six-encoder classifier learns the synthetic sentence-pair task twice from the same
-initial weights and data: once dense, once after ``optimize`` with rank-adaptive training
-(early stage, then a late stage that drives to a target size). The run is deterministic
-for a given seed and thread count (fixed seeds, fixed threads, deterministic algorithms),
-so accuracies and pruned sizes match across machines of the same kind. Progress bars go
-to stderr; stdout ends with the result table. The layer summary, rank history (CSV and
-plot) and the contraction plans are written to the output folder.
+A small six-encoder learns the synthetic sentence-pair task from the same weights twice,
+dense and compressed with rank-adaptive training, deterministically for a seed and thread
+count. Progress goes to stderr, the result table to stdout; the layer summary, rank
+history and plans go to the output folder.
 """
 
 from __future__ import annotations

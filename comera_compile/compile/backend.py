@@ -1,56 +1,18 @@
 """The ``comera`` torch.compile backend (registered as a ``torch_dynamo_backends`` entry point,
 so ``torch.compile(model, backend="comera")`` works in a process that never imported us).
 
-Design: the layers already contract through plain torch ops; what compile needs from us is
-that planning stays out of the trace and that each shape gets its own plan. While dynamo
-traces, every TT/TTM linear and TT embedding routes its contraction through one
-``comera::`` custom op (``comera_compile.planner.ops``), so the graph this backend receives
-holds one recognisable node per tensorized layer. The backend
+While dynamo traces, every tensorized layer routes its contraction through one ``comera::``
+custom op (``planner.ops``), so planning stays out of the trace and the graph holds one
+node per layer. The backend finds those nodes (none: one warning, then plain inductor),
+applies its options to them, runs the graph rewrites of ``compile.graph`` (attention
+through the rank bonds, joined sibling products, what a low memory budget recomputes) and,
+on CPU, those of ``compile.cpu`` (hashed dropout masks, blocked row sums, turned thin
+matmuls, pooled kernel builds, the opt-in host allocator), then hands the graph to
+inductor. AOT autograd lowers each op to its plan for the batch's bucket region, so one
+graph serves every batch size in that region. What each rewrite removes: docs/compile.md
+and docs/cpu-performance.md.
 
-1. finds those nodes (none: one warning per process, then plain inductor);
-2. applies its options to them (``objective`` / ``autotune`` rewrite the node arguments,
-   so the plans picked while lowering use them), and computes each scaled-dot-product
-   attention whose Q, K, V and O are TT, low-rank or CoLA layers (CoLA's plain matmuls
-   are found by the graph reading a ``cores`` parameter) through their rank bonds where
-   the bonds are narrower than the heads (``compile.graph.absorbed_attention``: the model-wide
-   Q, K, V are never made and each head's matmuls contract the bond, not the head width),
-   and joins thin products of one activation by several weights into one product
-   (``compile.graph.sibling_matmuls``: CoLA's Q, K, V first factors, gate and up);
-3. hands the graph to inductor's ``compile_fx``. AOT autograd decomposes each op into the
-   plan's pairwise program for the rows' bucket (a symbolic batch is guarded to the
-   region of buckets that one plan serves, so one graph serves every batch size in it),
-   inductor fuses it with the rest of the model and, on CUDA, runs it under CUDA Graph
-   trees; a new region or a pruned rank is a new graph, hence a new recording.
-   On CPU it keeps aten's random numbers (``fallback_random``): inductor's own dropout
-   costs more CPU time there (``python benchmarks/kernels.py``, dropout section), and
-   hashes dropout masks from element indices and two random keys per call
-   (``compile.cpu.dropout``): computed inside the kernel that applies them, on every core,
-   with no random buffer. The masks are alike in distribution, not identical to eager's.
-4. with a memory budget below 1, marks random nodes saved for backward first
-   (``compile.graph.recompute``): a recomputed dropout would draw a new mask. On CPU, at every
-   budget, it saves the keys of the hashed masks and marks the masks recomputed: backward
-   rehashes each one in its own kernel and no mask is stored.
-5. on CPU, with ``host_memory`` asked for (off by default: nothing process-wide changes
-   unless asked), keeps freed large blocks by size for the next step's requests of that
-   size (``"cache"``, ``compile.cpu.host_memory``): otherwise every step maps its large
-   activations anew and pays a page fault per 4 KiB page. The setting is process-wide:
-   the first compile that asks for one sets it, and a later one asking for another warns
-   and leaves it. On CPU, each compiled forward and backward then hands the memory the
-   compiler freed back to the OS (``malloc_trim``, a one-off call).
-6. on CPU, splits the backward's sums over many rows (bias and LayerNorm gradients)
-   into sums over blocks of rows (``compile.cpu.reductions``): inductor's one-pass loop for
-   them runs well behind aten's; and turns thin weight-gradient matmuls
-   (``h.T @ dy`` with a rank-wide ``h``) into their transposed problem, which MKL runs
-   faster (``compile.cpu.matmul_orientation``).
-7. on CPU, builds each generated module's kernels in one compiler run per compile worker
-   rather than one per kernel (``compile.cpu.pooled_kernels``): the precompiled ATen header
-   loads once per run, not once per kernel.
-
-Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger (the
-first call of a new batch bucket can take a while on CPU); to see it::
-
-    import logging
-    logging.basicConfig(level=logging.INFO)
+Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger.
 """
 
 from __future__ import annotations

@@ -36,27 +36,14 @@ def compile_model(
     (``compile_model(model, CompileOptions(memory="low"))``) or as keywords, as the
     backend's options dict takes them (``compile_model(model, memory="low")``), not both.
 
-    ``dynamic=None`` (torch's automatic dynamic shapes): the first batch size compiles a
-    static graph; when another one arrives, the batch dimension turns symbolic and the
-    tensorized ops guard it to its plan region (the power-of-two buckets of the rows that
-    one plan serves, ``planner.regions``), so there is one graph per region, not one per
-    batch size. Options are checked here, before the first call, so a typo fails at once
-    rather than on the first forward. ``inplace=True`` compiles the model in place, as
-    ``model.compile`` does (see :func:`_entry`), and returns ``model`` itself (its class
-    is kept). ``measure=True`` (in place only) times the first training (and inference)
-    steps compiled against eager and keeps the faster (``compile.policy.measured``).
-    ``options.blocks`` (in place only): compile the model's repeated blocks, one graph for
-    blocks of equal shapes, and run the rest eager (``compile.policy.blocks``: the first
-    compile grows far less with depth); None: where each graph would serve three blocks or
-    more (``compile.policy.blocks.blocks_pay``, ranks apart where they are symbolic), and
-    the whole model otherwise; True: the blocks, or an error where there are none; False:
-    the whole model. ``options.symbolic_ranks`` (in place only): True: the graphs keep the
-    TT layers' rank bonds symbolic, so a rank cut or a block of other ranks needs no new
-    graph (``compile.policy.rank_dims``); False: graphs specialised to the ranks (faster
-    steps, a recompile per cut); None: symbolic where a measured compile learns that the
-    run will cut ranks (``MeasuredCompile.expect_cuts``), else static.
-    Raises dynamo's (global) recompile limit to ``RECOMPILE_LIMIT``: rank pruning changes
-    core shapes, and each change is a recompile that must not push the model to eager.
+    ``dynamic=None``: the first batch size compiles a static graph, later ones a symbolic
+    batch guarded to its plan region (``planner.regions``): one graph per region. Options
+    are checked here, so a typo fails at once. ``inplace=True`` compiles the model in place,
+    as ``model.compile`` does, and returns it. In place only: ``measure=True`` keeps the
+    compiled form only where timed steps show it faster (``compile.policy.measured``);
+    ``options.blocks`` and ``options.symbolic_ranks`` act as :class:`CompileOptions` says.
+    Raises dynamo's recompile limit to ``RECOMPILE_LIMIT``: each rank cut is a recompile
+    that must not push the model to eager.
     """
     if options is not None and fields:
         raise ValueError(f"compile_model takes a CompileOptions or keyword options, not "

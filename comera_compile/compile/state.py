@@ -1,10 +1,8 @@
 """How a model runs with respect to the compiler, asked through one public function.
 
-The trainer (when to cut ranks, whether a recompile pays) and the summary (what runs)
-need to know whether a model runs compiled and how. They ask :func:`compiled_state`
-rather than reading the private attribute ``torch.compile`` installs on a module
-compiled in place (``_compiled_call_impl``). Nothing here imports dynamo or inductor: a
-model can only be compiled once they are loaded.
+The trainer and the summary ask :func:`compiled_state` rather than reading the private
+attribute ``torch.compile`` installs on a module compiled in place. Nothing here imports
+dynamo or inductor.
 """
 
 from __future__ import annotations
@@ -21,13 +19,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CompiledState:
-    """``compiled``: training steps run through ``torch.compile`` (wrapped, or compiled in
-    place; not where ``optimize``'s measured compile chose eager). ``measured``: the
-    measured compile ``optimize`` installed (None otherwise), which a trainer tells how
-    long the run is and asks whether a recompile pays. ``cuts_recompile`` and
-    ``description`` are read when asked: the measured compile settles its form (blocks or
-    the whole model) on first being asked, so they must not be read before the trainer has
-    said what the run will do."""
+    """``compiled``: training steps run through ``torch.compile`` (not where a measured
+    compile chose eager). ``measured``: the measured compile ``optimize`` installed, if any.
+    ``cuts_recompile`` and ``description`` are read only when asked: the measured compile
+    settles its form on first being asked, after the trainer has said what the run will do."""
 
     compiled: bool
     measured: MeasuredCompile | None

@@ -1,19 +1,11 @@
 """Whole training step capture: forward, backward and optimizer step as one CUDA Graph.
 
-A TT model runs many small kernels per step (a few per core pair, per layer), so on a GPU
-the launch overhead, not the arithmetic, sets the step time; replaying one recorded graph
-removes it, as the method's reference does. On CPU there is no graph to record: the same
-callable runs the forward + loss compiled with the ``comera`` backend, then backward and
-the optimizer step eagerly, so training code is the same on both.
-
-Recording needs fixed memory: the batch is copied into static buffers on the parameters'
-device, gradients and the optimizer state live at fixed addresses (AdamW with
-``capturable=True``, ``lr`` a device tensor so LR schedulers keep acting) and parameter
-shapes must not change. Pruning ranks does change them, so every call compares a signature
-(batch layout, parameter shapes, dtypes and addresses, optimizer state tensors and
-hyperparameters) with the recorded one and records again when it differs (or call
-``rerecord()``). A compiled model is unwrapped first: its own CUDA Graph trees must not
-nest inside this graph.
+A TT model runs many small kernels per step, so on a GPU launch overhead sets the step
+time; replaying one recorded graph removes it. On CPU the same callable runs the forward
+and loss compiled, then backward and the optimizer step eagerly. Recording needs fixed
+memory (static batch buffers, AdamW with ``capturable=True``), so every call compares a
+signature of batch layout, parameters and optimizer state with the recorded one and
+records again when it differs (a prune), or on ``rerecord()``.
 """
 
 from __future__ import annotations
@@ -135,15 +127,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 class TrainStep:
     """``step(batch) -> loss``: one training step, replayed from a CUDA Graph on CUDA.
 
-    ``loss_fn(model, batch)`` returns the scalar loss. On CUDA the returned loss is a static
-    tensor overwritten by the next call (``.item()`` or ``.clone()`` it to keep it).
-
-    On CUDA: recorded as one CUDA Graph after ``warmup`` steps on a side stream (whose
-    effect on parameters and optimizer state is undone), replayed on each call, recorded
-    again when the batch layout or a parameter shape changes. The optimizer is switched to
-    ``capturable=True``. On CPU: the forward + loss is compiled with the ``comera`` backend.
-    ``compile`` (default: on for CPU, off for CUDA, where the graph already removes the
-    launch overhead) compiles the forward + loss with the backend in both cases.
+    ``loss_fn(model, batch)`` returns the scalar loss; on CUDA it is a static tensor the next
+    call overwrites. On CUDA the step is recorded after ``warmup`` side-stream steps (their
+    effect undone), with the optimizer switched to ``capturable=True``, and recorded again
+    when the batch layout or a parameter shape changes. ``compile`` (default: on CPU only)
+    compiles the forward and loss with the ``comera`` backend.
     """
 
     def __init__(

@@ -1,21 +1,13 @@
 """Block Tensor-Train (BTT) matrices of two cores: modes, shapes, counts, init, projection.
 
-Qiu et al., "Compute Better Spent: Replacing Dense Layers with Structured Matrices" (ICML
-2024) and Potapczynski et al. (NeurIPS 2024) find that BTT keeps full rank, shares no
-parameters, and beats dense layers on the compute frontier when trained with
-structure-aware init and learning rates. With ``x @ W`` for a row ``x`` of ``m1 * m0``
-inputs (read as ``x[i1, i0]``) and outputs read as ``y[a0, a1]``::
+BTT keeps full rank and shares no parameters (Qiu et al., ICML 2024). For a row ``x`` read
+as ``x[i1, i0]`` and outputs ``y[a0, a1]``::
 
     y[a0, a1] = sum_{i1, i0, k} x[i1, i0] A[i1, i0, a0, k] B[a0, i1, k, a1]
 
-``A`` is ``m1`` blocks of ``m0 x (n0 r)`` and ``B`` is ``n0`` blocks of ``(m1 r) x n1``: two
-batched matmuls. For each pair ``(i1, a0)`` the ``m0 x n1`` block of ``W`` is the rank-``r``
-product ``A[i1, :, a0, :] @ B[a0, i1]``, so ``r = min(m0, n1)`` is every dense matrix,
-``m1 = n0 = 1`` is plain low rank, and rank 1 is a Monarch matrix up to permutations.
-
-Cores are laid out as a chain (rank bonds first and last) so the shared gate and pruning
-code treats the bond ``r`` as every other rank: ``A`` is ``(1, m1, m0, n0, r)`` and ``B``
-is ``(r, n0, m1, n1, 1)``.
+two batched matmuls; ``r = min(m0, n1)`` is every dense matrix, ``m1 = n0 = 1`` plain low
+rank, rank 1 Monarch. Cores are laid out as a chain, ``A`` as ``(1, m1, m0, n0, r)`` and
+``B`` as ``(r, n0, m1, n1, 1)``, so gates and pruning treat ``r`` as any other rank.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Monarch matrices (Dao et al., ICML 2022): modes, shapes, counts, init, projection.
 
-A Monarch matrix is two block-diagonal factors with a fixed permutation between them, the
-form the reference code of Qiu et al. (ICML 2024) trains (after HazyResearch/fly). With
-``b`` blocks, inputs padded to ``b p`` and outputs to ``b s``, and ``q = min(p, s)``::
+Two block-diagonal factors with a fixed permutation between them. With ``b`` blocks,
+inputs padded to ``b p``, outputs to ``b s`` and ``q = min(p, s)``::
 
     h[k, j]  = sum_i x[k, i] L[k, i, j]                 k < b blocks of p inputs
     h'[l, t] = h.flat[t b + l]                          the (q, b) transpose of the flat h
     y[u, l]  = sum_t h'[l, t] R[l, t, u]               output index u b + l
 
-so ``L`` is ``(b, p, q)``, ``R`` is ``(b, q, s)``, and a row costs ``b q (p + s)``
-multiply-adds, as many as there are parameters. Monarch has no rank to prune: its size is
-set by the block count. The layout: ``in_modes = (b, p)``, ``out_modes = (b, s)``.
+``L`` is ``(b, p, q)`` and ``R`` ``(b, q, s)``; ``in_modes = (b, p)``, ``out_modes = (b, s)``.
+Monarch has no rank to prune: the block count sets its size.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Structure-aware scales: each core's fan-in, its init std and its learning-rate share.
 
-A chain of cores is a sequence of small linear maps, and each one should see its input
-at unit scale and move it, per optimizer step, as much as the dense layer it replaces
-moves its own (muP, extended to structured layers by Qiu et al., "Compute Better Spent",
-ICML 2024). Both follow from the core's *fan-in*: how many entries of the incoming
-activation one output entry sums over when the input sweeps through the chain.
-
-- init: core ``k`` gets ``std_k = c / sqrt(F_k)``, with ``c`` chosen so the product still
-  has the entry variance ``sigma**2`` of the weight it replaces;
-- learning rate (Adam): a core's relative change per step grows with ``lr * F_k``, and the
-  ``L`` cores' changes add up, so the dense layer's rate ``lr`` (fan-in ``F``) becomes
-  ``lr * F / (L * F_k)`` for core ``k``.
+Each core of a chain should see its input at unit scale and move it per step as much as
+the dense layer moves its own (muP for structured layers, Qiu et al., ICML 2024). Both
+follow from the core's fan-in ``F_k``: init ``std_k = c / sqrt(F_k)`` with ``c`` keeping the
+product's variance ``sigma**2``, and Adam rate ``lr * F / (L * F_k)`` for core ``k`` of ``L``.
 """
 
 from __future__ import annotations

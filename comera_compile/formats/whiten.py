@@ -1,31 +1,15 @@
 """Activation-aware decomposition: truncate what a layer's outputs feel, not its weight.
 
-A Linear layer sees inputs ``X`` (rows); its output error is ``||X (W - W_hat)^T||_F``, which
-with the input Gram ``G = X^T X = L L^T`` equals ``||L^T (M - M_hat)||_F`` for ``M = W^T``.
-So the decomposition that minimises the output error truncates the *whitened* weight
-``L^T M`` and maps the result back with ``L^{-T}`` (SVD-LLM's truncation-aware whitening).
-How the map back folds into the cores depends on the format:
+With the input Gram ``G = X^T X = L L^T`` the output error ``||X (W - W_hat)^T||_F`` equals
+``||L^T (M - M_hat)||_F`` for ``M = W^T``, so the decomposition truncates the whitened
+weight ``L^T M`` and maps back with ``L^{-T}`` (SVD-LLM). Low rank folds the map exactly
+into ``U``; TT truncates its middle bond the same way and TT-SVDs each side; TTM, which has
+no such bond, uses a Kronecker product of per-mode Grams.
 
-- low rank (``M = U V``): exactly, into ``U``; the truncation is optimal in the output error;
-- TT linear: the middle bond (the one separating inputs from outputs) is truncated
-  exactly as for low rank; the input-side factor ``L^{-T} U`` then takes an ordinary TT-SVD
-  over the input modes (its bonds are usually near full rank) and the output-side factor one
-  over the output modes;
-- TTM: no bond separates inputs from outputs, so the Gram is approximated by a Kronecker
-  product of per-mode Grams (``G ~ G_1 (x) ... (x) G_d``, each the partial trace over the
-  other modes); each factor's inverse folds exactly into its core's input axis.
-
-``damping`` adds that share of the Gram's mean eigenvalue to its diagonal: directions the
-calibration text never excited keep some weight (a Gram of fewer rows than features is
-singular). Too much of it spends the ranks on directions the inputs do not take, on the
-calibration's text and on other text alike, so the default share is small.
-
-An embedding table's inputs are one-hot ids, so its Gram is diagonal: how often each row is
-looked up. Weighing rows by the square root of that frequency makes the truncation error
-the output's; it folds exactly into the row factor of a low-rank table (``V x r`` times
-``r x D``), not into a chain over factored vocabulary modes. Most rows of a vocabulary are
-never seen in one calibration batch, so tables take a much larger damping
-(``TABLE_DAMPING``): an unseen row weighs as an average row, a frequent one more.
+``damping`` adds that share of the Gram's mean eigenvalue to its diagonal, so directions
+the calibration never excited keep some weight. An embedding table's Gram is its row
+frequencies; rows are weighed by their square root, with a much larger damping
+(``TABLE_DAMPING``) since most rows are never seen in calibration.
 """
 
 from __future__ import annotations

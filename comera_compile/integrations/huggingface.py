@@ -6,25 +6,12 @@
     )
     trainer.train()
 
-``RankAdaptiveHFTrainer.compute_loss`` adds the current stage's rank terms to the model's
-loss (training only, never in evaluation); ``RankAdaptiveCallback`` builds the
-``RankAdaptiveTrainer`` once the Trainer has made its optimizer, with the run's length
-(``state.max_steps``) so the size target is reached by the end, and does its bookkeeping
-after every optimizer step. The rank trainer is ``callback.rank_trainer`` (history, sizes).
-
-Gradient accumulation: the rank terms weigh once per optimizer step whatever the number of
-micro-batches, whether the Trainer divides each micro-batch's loss by that number (a
-per-batch mean) or not (a model that normalizes by ``num_items_in_batch`` itself), and the
-recorded task loss is the whole step's, not the last micro-batch's.
-
-Resume: the rank trainer's state (stage, schedule, loss statistics, history) rides in each
-checkpoint's ``trainer_state.json`` as the callback's state, and ``train(
-resume_from_checkpoint=...)`` restores it; the weights are loaded as ``comera_compile.load``
-loads them, so a freshly optimized model shrinks to the checkpoint's pruned ranks.
-
-Single process (or one device) only: under the Trainer's own multi-GPU DDP a prune would
-change parameter shapes inside a reducer that cannot be rebuilt from a callback; use
-``prune_every=None`` there (gates are frozen at zero but not cut) and prune after training.
+``compute_loss`` adds the rank terms in training; ``RankAdaptiveCallback`` builds the
+``RankAdaptiveTrainer`` once the optimizer exists, with the run's length, and does its
+bookkeeping after every optimizer step. The rank terms weigh once per optimizer step
+whatever the gradient accumulation; the rank trainer's state rides in
+``trainer_state.json`` for resuming. Single process only: under the Trainer's DDP use
+``prune_every=None`` and prune after training.
 """
 
 from __future__ import annotations

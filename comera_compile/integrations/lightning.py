@@ -2,19 +2,11 @@
 
     trainer = lightning.Trainer(max_steps=800, callbacks=[RankAdaptation(target_ratio=0.3)])
 
-Lightning owns the loss, so the callback adds the rank terms as gradients instead:
-just before each optimizer step (gradients accumulated, unscaled under AMP, not yet
-clipped) it scales the task gradients by the stage's task weight and back-propagates the
-rank terms, which is exactly the gradient of ``w * task_loss + extra``. After the step it
-does the ``RankAdaptiveTrainer`` bookkeeping with the step's loss. The run's length is
-``trainer.estimated_stepping_batches``, so the size target is reached by the end.
-
-Resume: the rank trainer's state (stage, schedule, loss statistics, history) is the
-callback's ``state_dict``, which Lightning keeps in its checkpoints; ``fit(ckpt_path=...)``
-restores it, and the layers take the checkpoint's pruned ranks as the weights load.
-
-Single device (or ``PrunableDDP`` in your own loop): Lightning's DDP strategy keeps its
-own reducer, which a prune would break; there use ``prune_every=None``.
+Lightning owns the loss, so just before each optimizer step the callback scales the task
+gradients by the stage's task weight and back-propagates the rank terms (the gradient of
+``w * task_loss + extra``), then does the bookkeeping after the step. The run's length is
+``trainer.estimated_stepping_batches``; the rank trainer's state is the callback's
+``state_dict``. Single device only: under Lightning's DDP use ``prune_every=None``.
 """
 
 from __future__ import annotations

@@ -38,6 +38,11 @@ def output_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+LAYOUT_KEY = "_extra_state"
+"""Where a layer's layout sits under its prefix in a state dict: its ``nn.Module`` extra
+state, read by ``comera_compile.io`` and by the sharded checkpoints of ``training``."""
+
+
 def encode_layout(layout: dict[str, Any]) -> Tensor:
     """A layout as a uint8 tensor of its JSON text: extra state that safetensors (and so
     ``save_pretrained``) can store, and that runs no code when read back."""
@@ -290,7 +295,7 @@ class TensorizedLayer(PlannedLayer, nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
-        saved = state_dict.get(prefix + "_extra_state")
+        saved = state_dict.get(prefix + LAYOUT_KEY)
         if saved is not None:
             self._adopt_layout(decode_layout(saved))
         super()._load_from_state_dict(

@@ -1,18 +1,11 @@
 """CoLALinear: a low-rank layer with a nonlinearity on its bond, ``y = silu(x U) diag(g) V``.
 
-CoLA (Liu et al., 2025, "Compute-Efficient Pre-Training of LLMs via Low-Rank Activation",
-from CoMERA's group) observed that a pretrained model's activations are low-rank, and that
-putting the activation function between the two factors of a low-rank layer lets it match
-full-rank pretraining at about half the compute. The factors, gate, pruning and checkpoint
-layout are ``LowRankLinear``'s; only the forward differs. Because of the nonlinearity the
-layer is no linear map: it has no dense weight and trains from scratch (``init="random"``).
-
-**What backward keeps.** Plain autograd would keep the bond three times (``x U`` for the
-SiLU, ``silu(x U)`` for the gate, the gated bond for ``V``'s gradient). The layer's own
-backward (:class:`_CoLAProduct`) keeps the input and the pre-activation bond ``z = x U``
-only, and remakes ``silu(z)`` and the gated bond from ``z`` (two rank-wide pointwise passes,
-as CoLA-M does). The bond product is the op :func:`bond_product`, so a selective
-checkpoint can tell it apart from every other matmul and keep exactly it
+CoLA (Liu et al., 2025) puts the activation between the two factors, which lets a low-rank
+layer match full-rank pretraining at about half the compute. Factors, gate, pruning and
+layout are ``LowRankLinear``'s; being no linear map, the layer trains from scratch only.
+Its backward (:class:`_CoLAProduct`) keeps the input and ``z = x U`` only and remakes the
+rest of the bond from ``z``, as CoLA-M does; the bond product is the op
+:func:`bond_product`, so a selective checkpoint can keep exactly it
 (``compile.bond_recompute``).
 """
 

@@ -1,21 +1,11 @@
 """Hot-row cache of a TT embedding table: its most frequent rows kept as a small dense table.
 
-As in TT-Rec (Yin et al., MLSys 2021), the rows a recommender looks up most often sit in a
-dense ``(capacity, dim)`` table that trains alongside the cores; every other row is still
-built from the cores. Under a power law a few thousand rows take most lookups, so the cores
-build far fewer rows per step and the hot rows train as freely as a dense table's.
-
-Semantics, chosen so that no trained value is ever lost:
-
-- The cached set is chosen once (from counted ids: the first training batches, or ids the
-  user passes to ``fill_cache``), each cached row starting as the cores' row at that moment,
-  and it is fixed from then on. A cached row is a free parameter: the cores cannot hold its
-  trained value exactly, so a row is never evicted back to them. What the cores hold for a
-  cached id is unused afterwards.
-- A lookup reads the cache or the cores, never both: ids are split by the sorted cached ids
-  (a binary search per distinct id). A table-sized remap (id -> slot) would cost 4 bytes per
-  row, 1/dim of the dense table and more than the cores of a highly compressed one; the
-  search touches only the ``capacity`` cached ids.
+As in TT-Rec (Yin et al., MLSys 2021), under a power law a few thousand rows take most
+lookups, so keeping them dense lets the cores build far fewer rows per step. The cached set
+is chosen once (from the first training batches' ids, or ``fill_cache``) and fixed: a
+trained cached row is a free parameter the cores could not hold, so none is evicted. A
+lookup reads the cache or the cores, never both, found by a binary search over the sorted
+cached ids (a table-sized id -> slot map would cost more than compressed cores).
 """
 
 from __future__ import annotations

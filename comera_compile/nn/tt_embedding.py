@@ -1,25 +1,15 @@
 """TTEmbedding: an embedding table (or bag) stored as a TTM chain, looked up without the table.
 
-Cores are ``(r_{k-1}, m_k, n_k, r_k)`` with ``m`` the vocabulary modes and ``n`` the
-embedding-dim modes. A lookup splits each id into mode indices, gathers only the needed
-slices of two pre-merged halves of the chain and contracts them per row (the planner picks
-the split for the number of ids). Ids are de-duplicated first so each distinct row is built
-once, then scattered back; bags are pooled by ``F.embedding_bag`` on those rows (fixed-size
-sum/mean bags by a gather and a sum, whose backward is cheaper). Nothing in
-the forward or backward is table-sized: the work and the gradients scale with the distinct
-ids of the batch and with the cores.
+Cores are ``(r_{k-1}, m_k, n_k, r_k)``, ``m`` the vocabulary modes and ``n`` the
+embedding-dim modes. Ids are de-duplicated, each distinct row is built from gathered slices
+of two pre-merged halves of the chain (the planner picks the split), then scattered back;
+bags are pooled on those rows. Nothing in forward or backward is table-sized.
 
-Recommenders declare their tables ``sparse=True`` so that only the touched rows get a
-gradient. A TT table needs no such thing: its gradient is the cores' gradient, small and
-dense, which SGD, Adagrad and Adam take as they are. ``torch.optim.SparseAdam`` only takes
-sparse gradients, so it gets an error that says to use one of those instead.
-
-``cache_rows`` adds TT-Rec's hot-row cache (``nn.row_cache``): the most frequent rows as a
-small dense table, trained with sparse gradients when the table declared ``sparse=True``
-(``torch.optim.SGD`` and ``torch.optim.Adagrad`` take them), dense ones otherwise (what
-FSDP needs). Its rows are chosen once, from the ids of the first ``cache_warmup`` training
-batches or by ``fill_cache``, and stay fixed. A table with a cache runs eagerly inside a
-compiled model: which ids hit is data, so the lookup is a graph break there.
+The gradient is the cores', small and dense, so ``sparse=True`` needs nothing special and
+``torch.optim.SparseAdam`` gets an error naming the optimizers to use. ``cache_rows`` adds
+TT-Rec's hot-row cache (``nn.row_cache``), whose fixed rows train with sparse gradients
+where the table declared ``sparse=True``; a table with a cache is a graph break when
+compiled, since which ids hit is data.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Advice for models trained from scratch: when a narrower dense model is the better buy.
 
-The pretraining frontier (``benchmarks/frontier.py``; its verdict in
-``benchmarks/results/frontier.md``) trains dense models of several widths and every
-compressed format at the dense widths' parameter counts, and asks whether any compressed
-model ends below every dense model at equal wall clock. Where none does, the honest advice to
-someone compressing a model they will train from scratch is the dense model of the same
-parameter count: the same depth at about the square root of the kept share of the width
-(parameters grow with width squared). ``summary`` prints that line; it says nothing for
-pretrained weights (``init="dense"``), where a narrower model would start from nothing.
+Where no compressed model of the pretraining frontier (``benchmarks/results/frontier.md``)
+beat every dense width at equal wall clock, ``summary`` suggests, for a from-scratch model,
+the dense model of the same parameters: the same depth at about the square root of the
+kept share of the width.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Allocate: the ranks of every layer (or dense) so the model spends its budget where it helps.
 
-Greedy marginal allocation: every layer starts in its cheapest state (TT at rank 1, or dense
-when that is cheaper in what the budget counts, as for an embedding under a FLOPs budget);
-then the move with the largest loss reduction per unit of budget that still fits is taken,
-until none fits. A move raises one bond (``per_bond``) or the layer's whole rank, or
-returns the layer to dense. The loss is the init's (``layer_loss.py``): damage to the
-weights for pretrained models, spread capacity for training from scratch.
-
-TT layers first stay at least ``MIN_COMPRESSION`` times smaller than the dense layer (a slower
-contraction buying too little memory); when that leaves more than 5% of the budget unspent,
-the allocation goes on with any TT layer smaller than its dense one.
+Greedy marginal allocation: every layer starts in its cheapest state, then the move (one
+bond up, the whole rank up, or back to dense) with the largest loss reduction per unit of
+budget that fits is taken, until none fits. TT layers first stay ``MIN_COMPRESSION`` times
+smaller than dense; when that leaves over 5% of the budget unspent, any smaller TT layer
+is allowed.
 """
 
 from __future__ import annotations

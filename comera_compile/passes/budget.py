@@ -1,14 +1,9 @@
 """Budget: how small the optimized model must be, as one config object.
 
-``optimize`` accepts the short forms too; ``parse_budget`` turns each into a ``Budget``:
-``0.05`` (keep 5% of the parameters), ``1_500_000`` (parameters), ``"20MB"`` / ``"512KiB"``
-(bytes of parameters, dtype-aware), ``"5%"``, ``"40x"`` (compression ratio: 40 times
-smaller, the same as keeping 0.025).
-
-A float is a share to keep and an int a count: ``1.0`` keeps everything while ``1`` would
-be one parameter. A bare int of at most ``SMALLEST_INT_BUDGET`` reads like a share or a
-ratio written as an int, so it is refused with the spellings meant; ``Budget(params=N)``
-states a count that small on purpose.
+``parse_budget`` turns each short form into a ``Budget``: ``0.05`` (a share to keep),
+``1_500_000`` (parameters), ``"20MB"`` (bytes), ``"5%"``, ``"40x"`` (a compression ratio).
+A bare int of at most ``SMALLEST_INT_BUDGET`` reads like a share or a ratio, so it is
+refused with the spellings meant; ``Budget(params=N)`` states a small count on purpose.
 """
 
 from __future__ import annotations

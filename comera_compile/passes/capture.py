@@ -1,16 +1,10 @@
 """Capture: get a graph of the model's forward to learn which layers it really calls.
 
-The graph is for analysis only: the rewrite swaps modules in (a copy of) the user's model, so
-the result keeps its class, methods, attributes and Python forward, and ``train()`` /
-``eval()`` reach every branch. ``torch.fx.symbolic_trace`` is tried first. Many models do not
-trace (Hugging Face models since transformers 5 removed its fx tracer, data-dependent Python
-control flow), and a forward with optional arguments traces into a graph that freezes their
-branches; for those the graph comes from ``torch.export`` (non-strict).
-
-A traced ``GraphModule`` is an exact stand-in only when its graph is the same in training
-and in eval mode (a forward that reads ``self.training``, as ``F.dropout(x, p,
-self.training)`` does, bakes the mode in) and the forward has no optional arguments;
-``exact_graph_module`` builds one only then.
+The graph is for analysis only: the rewrite swaps modules in the user's model, which
+keeps its class and Python forward. ``torch.fx.symbolic_trace`` is tried first, then
+``torch.export`` (non-strict) for models that do not trace. ``exact_graph_module`` builds a
+``GraphModule`` stand-in only where the graph is the same in training and eval mode and
+the forward has no optional arguments.
 """
 
 from __future__ import annotations

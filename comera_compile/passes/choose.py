@@ -1,12 +1,9 @@
 """Choose: the format of each pretrained Linear layer, by its output error at its size.
 
-The allocator sizes every layer in low-rank format, whose activation-aware truncation error
-it knows exactly from the whitened singular values; then each Linear layer with an input
-Gram is also built in the other formats (TT, TTM) at the largest uniform rank of at most the
-same parameters (activation-aware decompositions, ``formats.whiten``), and keeps the format
-whose outputs on the recorded inputs are closest to the dense layer's: the least error per
-parameter at the size the budget gave it. A layer whose format the user set in
-``layer_config`` keeps it.
+The allocator sizes every layer in low rank; each Linear with an input Gram is then also
+built in TT and TTM at the same parameters (``formats.whiten``) and keeps the format whose
+outputs on the recorded inputs are closest to the dense layer's. A format set in
+``layer_config`` is kept.
 """
 
 from __future__ import annotations

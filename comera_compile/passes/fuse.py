@@ -1,15 +1,10 @@
 """Horizontal fusion: sibling Linear layers that read the same input become one layer.
 
-Attention's query / key / value projections (and a SwiGLU MLP's gate / up) all read the
-same tensor. Fused into one Linear with concatenated outputs, they tensorize into one chain
-and cost one contraction per step instead of three: the input is swept through the cores
-once, and every kernel is larger. The pass runs on the dense fx graph, before selection,
-and is exact: the fused layer's weight is the stacked weights, and each former layer's
-users read their slice of the fused output (a view, no copy).
-
-Siblings are found on a networkx view of the graph: the Linear-calling successors of each
-node. A Linear is only fused when the graph calls it exactly once with that one input and
-no keyword, and only with siblings of the same input size, bias presence, dtype and device.
+Q / K / V (or gate / up) fused into one Linear tensorize into one chain and cost one
+contraction per step instead of three. The pass runs on the dense fx graph before
+selection and is exact: users read their slice of the fused output. A Linear is fused only
+where the graph calls it once with that one input, and only with siblings of the same
+input size, bias, dtype and device.
 """
 
 from __future__ import annotations

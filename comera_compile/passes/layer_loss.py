@@ -1,10 +1,8 @@
 """Layer losses: what a layer loses at each size, for the allocator to minimise in sum.
 
-Training from scratch (``init="random"``) has no weights to protect: capacity is spread so
-every layer is compressed alike (the loss ``-dense_params * log(params)`` is minimised under a
-parameter budget exactly when ``params`` is proportional to ``dense_params``). A pretrained
-model (``init="dense"``) loses what TT-SVD truncates: the relative squared error of each layer,
-times how much its inputs feel it (``spectra.output_weights``), summed over layers.
+From scratch, ``-dense_params * log(params)``, minimised under a parameter budget exactly
+when every layer is compressed alike. Pretrained, the relative squared TT-SVD error of each
+layer times how much its inputs feel it (``spectra.output_weights``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Materialize: give a model built on the meta device real storage, after the rewrite.
 
-A model too big to build dense can be built under ``torch.device("meta")`` and optimized with
-``init="random"``: the rewrite creates the tensorized layers' cores on a real device, so no
-dense weight of a swapped layer ever exists. What is left on meta (norms, biases, layers left
-dense, buffers such as rotary tables) is allocated here and initialised by the module's own
-``reset_parameters`` or, in a Hugging Face model, by the model's ``_init_weights``.
+The rewrite makes the tensorized layers' cores on a real device, so no dense weight of a
+swapped layer ever exists; what is left on meta is allocated here and initialised by each
+module's ``reset_parameters`` (or a Hugging Face model's ``_init_weights``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """Order: how many modes per side a TT layer gets, chosen by what a training step costs.
 
-Orders are compared at the same expressiveness, meaning the same parameter count: the
-default order (``choose_order``, modes near 8-16) at the layer's rank cap sets the count,
-and every other order gets the largest rank whose layer is no larger. Orders that cannot
-come within ``SIMILAR_PARAMS`` of that count (their bonds clip first) are not comparable
-and drop out. Among the rest, the one whose planned contraction costs least for a training
-step (forward plus backward, by the planner's cost model, at the rows the example batch
-feeds the layer) wins; ties keep the default order. Without example inputs there is no batch
-to plan for, so the default order stays. Low-rank (order 1) is never picked here: it is fast
-per row but loses accuracy at high compression, so it is used only when asked for.
+Orders are compared at the parameter count of the default order (``choose_order``) at the
+layer's rank cap; each gets the largest rank that fits, and orders that cannot come within
+``SIMILAR_PARAMS`` of it drop out. The cheapest planned training step at the example
+batch's rows wins; ties, and runs without example inputs, keep the default. Low rank is
+never picked here (it loses accuracy at high compression).
 
-Recommender tables (declared ``sparse=True``: lookups are most of their model's step) are
-compared the same way, at the default order's parameters, by the
-multiply-adds that building one looked-up row costs (``embedding_macs_per_row``; the backward
-costs about twice that for every layout, and the work grows with the distinct ids alone, so
-no example batch is needed). Each order is tried with the default split of the embedding
-dim over the cores and with the whole dim in the last core (the row is then built from
-rank-wide vectors, widened only at the end). Fewer, larger cores win: an id touches a smaller
-share of the parameters. On a 10M-row table at 100x, 3 cores with the dim in the last one
-cost ~20x fewer multiply-adds per id than the default 6. Orders below 3 are not tried (order
-2 is a low-rank factorization of the reshaped table), nor layouts that hold more than 0.5%
-of the table at rank 1 (budgets up to 200x stay reachable); ties keep the default layout.
-Other tables (a language model's word embeddings, a small share of its step, often
-pretrained, where the layout sets the truncation error) keep the default layout.
+Recommender tables (``sparse=True``) are compared by the multiply-adds of building one
+looked-up row (``embedding_macs_per_row``), with the embedding dim split over the cores or
+whole in the last one: fewer, larger cores win. Orders below 3 and layouts over 0.5% of the
+table at rank 1 are not tried. Other tables keep the default layout.
 """
 
 from __future__ import annotations

@@ -214,14 +214,9 @@ def _example_ids(shapes: Any) -> dict[str, torch.Tensor]:
 
 
 def default_format(init: str, has_examples: bool) -> str:
-    """The format ``format=None`` means.
-
-    From scratch (``init="random"``): CoLA, low rank with SiLU on the bond, the format that
-    pays in pretraining (it matches a dense model of equal parameters where TT and plain low
-    rank trail it: ``benchmarks/pretrain.py``). Pretrained weights seen at work
-    (``init="dense"`` with example inputs): each layer's own format by output error. Pretrained
-    weights alone: TT, whose SVD start is exact at full rank.
-    """
+    """The format ``format=None`` means: from scratch CoLA (the format that pays in
+    pretraining); pretrained weights with example inputs, each layer's format by output
+    error; pretrained weights alone, TT (its SVD start is exact at full rank)."""
     if init == "random":
         return COLA
     return AUTO if has_examples else TT

@@ -80,13 +80,10 @@ def new_layer(
 
 
 def match_weight_scale(layer: TensorizedLayer, weight: torch.Tensor) -> None:
-    """Scale random cores so the layer's weight has the RMS of the weight it replaces.
-
-    The layer classes start at torch's own defaults (``nn.Embedding``'s N(0, 1), ``nn.Linear``'s
-    uniform); a model that initialises its own way (Hugging Face models: std 0.02) would
-    otherwise start 50x off, and a tied LM head would begin with logits of std ~12. The
-    factor is shared equally by the cores, which keeps their fan-in balance
-    (``formats.scaling``) and so the learning rates ``param_groups`` derives from it."""
+    """Scale random cores so the layer's weight has the RMS of the weight it replaces (a model
+    that initialises its own way, as Hugging Face's std 0.02, would otherwise start far off).
+    The factor is shared equally by the cores, keeping their fan-in balance
+    (``formats.scaling``)."""
     with torch.no_grad():
         target = float(weight.detach().float().square().mean().sqrt())
         norm = getattr(layer, "frobenius_norm", None)  # block layers: not a plain chain
@@ -152,14 +149,9 @@ def build_layer(
 
 def _fix_fused_transformers(model: nn.Module) -> None:
     """Keep nn.TransformerEncoder off its nested-tensor path once a layer inside is
-    tensorized (that path reads the first layer's dense weights directly).
-
-    The encoder *layer*'s fused eval kernel needs no switch: it would read ``linear1.weight``
-    and friends, and a tensorized layer's ``weight`` is a meta placeholder, which the
-    kernel's guard refuses (its tensors must be on a real device), so the layer runs its
-    ordinary forward through our modules. ``test_transformer_encoder_eval_fast_path_is_skipped``
-    compares that forward with the fast path switched off and fails if the guard changes.
-    """
+    tensorized (that path reads the first layer's dense weights directly). The encoder layer's
+    fused eval kernel needs no switch: its guard refuses our meta ``weight`` placeholders
+    (``test_transformer_encoder_eval_fast_path_is_skipped``)."""
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder):
             layer = module.layers[0]

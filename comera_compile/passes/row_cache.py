@@ -1,13 +1,9 @@
 """Row caches: how much of a recommender table's budget goes to its hot-row cache.
 
-A cache pays where a few rows take most lookups: each hit is a row the cores need not
-build (forward and backward), and the hot rows train as a dense table's do. Where ids are
-close to uniform almost every lookup misses any cache the budget can afford, so its
-parameters would only be taken from the cores. The test is measured, not assumed: the
-example ids are split in two halves, a cache of the first half's most frequent rows is
-filled, and the share of the second half's lookups it serves (the held-out hit rate) must
-reach ``MIN_HIT_RATE``. Only tables a recommender declares (``nn.EmbeddingBag`` or
-``sparse=True``) get a cache; a token embedding's rows are read by tied heads too.
+A cache pays where a few rows take most lookups, so it is measured: a cache of the first
+half of the example ids' most frequent rows must serve ``MIN_HIT_RATE`` of the second
+half's lookups. Only tables a recommender declares (``nn.EmbeddingBag`` or
+``sparse=True``) get one; a token embedding's rows are read by tied heads too.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Select: which of the eligible layers (``eligible.py``) to tensorize, and each one's
-ranks, to spend a budget well.
+"""Select: which eligible layers to tensorize, and each one's ranks, to spend a budget well.
 
-The allocator (``allocate.py``) picks every eligible layer's ranks, per bond for
-pretrained weights, so the model lands between 95% and 100% of the budget, minimising the
-loss that fits the init (``layer_loss.py``). Training from scratch, where it
-tensorized some copies of a layer in repeated blocks and left others dense, all are
-tensorized and the budget spread again (``_unlike_copies``), and copies' ranks are made
-alike (``_alike_ranks``), so the blocks keep one shape. Without a budget every eligible
-layer gets the rank cap (30, as CoMERA).
+The allocator (``allocate.py``) lands the model between 95% and 100% of the budget at the
+least loss for the init. Training from scratch, copies of a layer in repeated blocks are
+all tensorized alike (``_unlike_copies``, ``_alike_ranks``) so the blocks keep one shape.
+Without a budget every eligible layer gets the rank cap.
 """
 
 from __future__ import annotations
@@ -126,16 +122,10 @@ def select_layers(
     sensitivities: dict[str, float] | None = None,
     reserve: int = 0,
 ) -> Selection:
-    """Choose layers and each one's ranks so the model spends 95-100% of ``budget``.
-
-    ``reserve``: parameters (float32) the budget must leave for something else (hot-row
-    caches).
-
-    ``init="dense"`` minimises the weights' truncation error (per bond, from singular values,
-    as output errors where ``grams`` whiten them, times the layer's ``sensitivities``, how
-    much the model's output feels it; else weighted by ``output_weights``);
-    ``"random"`` compresses every layer alike.
-    Without a budget every eligible layer is tensorized at the rank cap (30 by default).
+    """Choose layers and each one's ranks so the model spends 95-100% of ``budget``, leaving
+    ``reserve`` parameters (hot-row caches). ``init="dense"`` minimises the truncation error
+    (per bond, as output errors where ``grams`` whiten it, times ``sensitivities``); ``"random"``
+    compresses every layer alike. Without a budget every eligible layer gets the rank cap.
     """
     held = [o for o in options if o.held]
     if held:  # first without the layers held dense; with them only if the budget needs them
@@ -265,11 +255,9 @@ def _copies(options: list[Option]) -> list[list[int]]:
 
 
 def _unlike_copies(options: list[Option], states: list[Ranks | None]) -> list[int]:
-    """The layers the allocator left dense where copies of them in ``MIN_COPIES`` or more
-    repeated blocks are tensorized. Training from scratch, every layer is compressed
-    alike, so one copy left dense only spent the last of the budget; but it makes its
-    block another shape than the rest, a compiled graph (and a first compile) of its own.
-    Tensorized too, it costs that budget back in the copies' ranks."""
+    """The layers the allocator left dense where copies in ``MIN_COPIES`` or more repeated
+    blocks are tensorized: from scratch such a copy only spent the last of the budget, and
+    makes its block a shape (a compiled graph) of its own."""
     unlike = []
     for members in _copies(options):
         dense = [i for i in members if states[i] is None]
@@ -280,12 +268,9 @@ def _unlike_copies(options: list[Option], states: list[Ranks | None]) -> list[in
 
 def _alike_ranks(options: list[Option], plans: list[LayerPlan], states: list[Ranks | None],
                  base: dict[str, float], limits: dict[str, float]) -> list[Ranks | None]:
-    """``states`` with the tensorized copies of each layer in ``MIN_COPIES`` or more
-    repeated blocks at the least of their ranks, bond by bond. Training from scratch the
-    copies differ only where the budget's last rank increments ran out (14 in three
-    blocks, 13 in the fourth): a block of other ranks is another shape, so compiled at
-    static ranks it runs eager or needs a graph of its own. Lowering ranks only frees
-    budget; kept as allocated if that leaves it under ``FILL`` spent."""
+    """``states`` with the tensorized copies of each layer in ``MIN_COPIES`` or more repeated
+    blocks at the least of their ranks, bond by bond, so the blocks keep one shape; kept as
+    allocated where that leaves the budget under ``FILL`` spent."""
     alike = list(states)
     for members in _copies(options):
         ranks = [states[i] for i in members]

@@ -1,21 +1,14 @@
 """Sensitivity: how much the model's output feels an error in each layer's output.
 
-The allocator of a pretrained model sums the layers' relative output errors. Alone, that
-counts every layer alike, yet a layer whose output is a small branch beside a large
-residual stream moves the model's output less than one the output is made of, and a layer
-early in a deep stack may move it more. To first order an error ``e`` in layer ``l``'s output
-``y_l`` moves the model's output ``y`` by ``J_l e``; spread evenly over ``y_l`` at relative
-size ``eps`` (per-element variance ``eps^2 ||y_l||^2 / n_l``), it changes ``y`` by a relative
-squared ``eps^2 s_l`` with
+Summing the layers' relative output errors counts every layer alike, yet a small branch
+beside a residual stream moves the output less. To first order an even relative error
+``eps`` in ``y_l`` changes the output ``y`` by a relative squared ``eps^2 s_l`` with
 
-    s_l = ||y_l||^2 tr(J_l J_l^T) / (n_l ||y||^2).
+    s_l = ||y_l||^2 tr(J_l J_l^T) / (n_l ||y||^2),
 
-Hutchinson's estimator gives ``tr(J_l J_l^T) = E ||J_l^T v||^2`` for ``v ~ N(0, I)``, and one
-backward pass gives ``J_l^T v`` at every layer at once: a few probes cost a few backward
-passes, whatever the number of layers. Padded tokens are left out of ``y`` and ``y_l``.
-A first-order estimate on one batch can be near zero (the queries and keys of an attention
-that is still uniform); ``FLOOR`` keeps every layer's weight at a small share of the mean,
-so no layer is cut to nothing on that evidence alone.
+and Hutchinson's estimator ``tr(J_l J_l^T) = E ||J_l^T v||^2`` gets every layer's trace
+from a few backward passes. ``FLOOR`` keeps every weight at a small share of the mean, so
+no layer is cut to nothing on one batch's first-order evidence.
 """
 
 from __future__ import annotations

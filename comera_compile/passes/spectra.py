@@ -1,10 +1,8 @@
 """Spectra: how much a layer's weight loses at each TT rank, from singular values computed once.
 
-TT-SVD truncates one unfolding per bond; its squared error is at most the sum over bonds of
-the squared singular values each bond drops (Oseledets 2011, Thm 2.2). So one
-``svdvals`` per unfolding gives every layer's error as a cheap function of its ranks, which
-the allocator queries thousands of times. With ``example_inputs`` a per-layer factor turns
-the relative weight error into the relative output error the inputs actually see.
+TT-SVD's squared error is at most the sum over bonds of the squared singular values each
+bond drops (Oseledets 2011), so one ``svdvals`` per unfolding makes every layer's error a
+cheap function of its ranks for the allocator; ``example_inputs`` turn it into the output's.
 """
 
 from __future__ import annotations

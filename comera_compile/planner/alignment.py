@@ -1,18 +1,10 @@
 """Bond padding: run a contraction at ranks the CPU's matmul kernels like.
 
-MKL's sgemm is uneven in a skinny dimension: with 4096 rows and 768 inputs, it multiplies
-by a ``768 x 32`` factor markedly faster than by a ``768 x 30`` one (``x @ B`` and the
-weight gradient ``x.T @ g`` alike). A TT layer's activations
-meet its middle bond in exactly such matmuls, so padding the bond with zero slices to a
-size the kernels like is faster although it multiplies more. Zero slices add nothing, so
-the result and every gradient are exact (the padding's gradient is cut off by ``F.pad``).
-
-Measured as a chain ``x @ B @ C`` with forward and backward by ``python
-benchmarks/kernels.py`` (its bond-padding section): near misses such as 30 -> 32 and
-46 -> 48 gain, a wider gap such as 36 -> 48 loses. Padding is kept to near misses (at
-most an eighth more rank) and to contractions over more than ``MIN_ROWS`` rows, where
-the activation matmuls dominate: the extra multiply-adds stay small (a FLOPs budget
-counts the ranks themselves, not the padding).
+MKL's sgemm is uneven in a skinny dimension (a ``768 x 32`` factor runs markedly faster
+than a ``768 x 30`` one), so padding a TT layer's middle bond with zero slices to a near
+size the kernels like is faster although it multiplies more; the result and gradients
+stay exact. Padding is kept to near misses (at most an eighth more rank) on contractions
+over more than ``MIN_ROWS`` rows (docs/cpu-performance.md, "Bond padding").
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Plan caches: an in-memory LRU (hit on every forward) over a JSON-file disk cache.
 
-``get_plan`` is called from layer forwards on every step, so a hit is one dict lookup on
-a key of small hashable values (the network caches its own hash). The disk cache lives in
-``$COMERA_CACHE_DIR`` (``off`` disables it) or ``~/.cache/comera_compile/plans``; each
-entry is re-validated on load (key, versions, path, recomputed costs) and re-planned and
-overwritten when anything is off: a cache file is never trusted.
-
-Both are bounded: rank pruning keeps creating new networks (one per layer, bucket and
-rank layout), so the memory caches drop their least recently used plans and the disk
-cache deletes its least recently used files beyond ``MAX_DISK_ENTRIES`` (a load hit
-refreshes a file's modification time).
+A hit is one dict lookup on small hashable values. The disk cache lives under
+``$COMERA_CACHE_DIR`` (``off`` disables it) or ``~/.cache/comera_compile/plans``; each entry
+is re-validated on load and re-planned when anything is off. Both are bounded, since
+pruning keeps making new networks: LRU in memory, ``MAX_DISK_ENTRIES`` files on disk.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Objectives and the cost of a contraction path, defined exactly as cotengra defines them.
 
-Per pairwise step cotengra counts ``flops = prod(sizes of all involved indices)`` (one
-multiply-add per entry of the joint index space) and ``size = prod(sizes of the kept
-indices)``. Over a tree: ``flops`` = sum of step flops, ``write`` = sum of step sizes,
-``size`` = largest step size, ``combo-F`` = sum(flops + F * size) with F = 64 by default,
-``limit-F`` = sum(max(flops, F * size)). We evaluate paths ourselves (instead of asking
-cotengra) so a plan loaded from disk can be re-checked and records can be recomputed for
-the real batch size.
-
-``training=True`` is the gradient-aware variant: a step whose operands need gradients
-also pays the backward contractions (``dA = dC . B`` and ``dB = A . dC``, each as many
-multiply-adds as the forward step) and writes ``dA`` / ``dB``. Every operand of a layer
-(input and cores) is assumed to need a gradient. Measured on the test grid (TT linear
-768x768 and 768x3072, TTM 768x768; ranks 4/16/30; batches 1..4096): the training cost
-never changes the TT-linear tree and changes the TTM tree only at rank 4 with 512+ rows
-(``((x . G1) . G2) . G3`` instead of ``(x . (G1 . G2)) . G3``, ~6% cheaper by this model).
-Off by default.
+Per pairwise step ``flops`` is the product of all involved index sizes and ``size`` that of
+the kept ones; over a tree ``flops`` and ``write`` sum them, ``size`` is the largest,
+``combo-F`` = sum(flops + F * size) and ``limit-F`` = sum(max(flops, F * size)). Paths are
+evaluated here, not by cotengra, so a plan loaded from disk can be re-checked.
+``training=True`` also counts each step's backward contractions for operands that need
+gradients (off by default: it rarely changes the tree).
 """
 
 from __future__ import annotations

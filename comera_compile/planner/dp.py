@@ -1,14 +1,9 @@
 """Our exact dynamic program over operand subsets, keeping the k best trees per subset.
 
-cotengra's OptimalOptimizer is exact and fast on TT networks (``python
-benchmarks/planner.py`` times planning), so it is the default search. This DP exists for
-what cotengra cannot do: the gradient-aware cost
-(``training=True``, a step's cost depends on its operand sizes) and the top-k distinct
-trees that autotuning times. It considers every binary tree, outer products included
-(3^n / 2 splits), so it is only used for small networks (``MAX_DP_OPERANDS``).
-
-k-best is exact for additive objectives: a tree among the k best of a subset has both
-subtrees among the k best of theirs. For ``size`` (a max) the first tree is exact.
+cotengra is the default search; this DP serves what it cannot do: the gradient-aware cost
+(``training=True``) and the top-k distinct trees autotuning times. It tries every binary
+tree (3^n / 2 splits), so only small networks (``MAX_DP_OPERANDS``) use it. k-best is
+exact for additive objectives; for ``size`` (a max) only the first tree is.
 """
 
 from __future__ import annotations

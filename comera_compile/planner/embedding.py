@@ -1,12 +1,8 @@
 """TT-embedding lookup plan: which bond to split the TTM chain at, and what it costs.
 
-``cores[:s]`` merge into a left table ``(M_L, N_L, r_s)`` and ``cores[s:]`` into a right
-table ``(M_R, r_s, N_R)``; each id gathers one slice of each and one bmm gives its row. The
-merges cost the same for every batch while the bmm grows with it, so the best split bond
-depends on the number of ids: we pick the one with the fewest total multiply-adds. For a
-handful of ids no merge pays off: ``split = CHAIN`` contracts the chain per row, one core
-at a time (cost linear in the ids, nothing shared). Running a plan lives in
-:mod:`comera_compile.planner.lookup`, as a :class:`Plan`'s lives in the executor.
+The merges at a split cost the same for every batch while the per-id products grow with
+it, so the split of fewest total multiply-adds depends on the number of ids; for a handful
+no merge pays (``CHAIN``). Running a plan lives in ``planner.lookup``.
 """
 
 from __future__ import annotations

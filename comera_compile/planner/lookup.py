@@ -1,16 +1,8 @@
-"""Running a TT-embedding lookup plan: gathers and small contractions, never the table.
-
-:class:`~comera_compile.planner.embedding.EmbeddingPlan` decides which strategy serves a
-bucket of ids (and what it costs); this module runs it, the way the executor runs a
-:class:`~comera_compile.planner.plan.Plan`. Three strategies, by ``plan.split``:
-
-- ``0`` (one core): the core is the table, gather its rows.
-- a bond ``s``: ``cores[:s]`` merge into a left table ``(M_L, N_L * r_s)`` and ``cores[s:]``
-  into a right table ``(M_R, r_s * N_R)``; a row id splits into ``id // M_R`` and
-  ``id % M_R``, each gathers one slice, and one bmm per batch gives ``(N_L, N_R)`` per row.
-- ``CHAIN``: the chain is contracted per row, one core at a time. Eagerly the rows meet each
-  core in buckets of equal mode index, one bmm over the core's slices, so a slice is read
-  once per batch; while compiled (no host reads) each row gathers its own slices.
+"""Running a TT-embedding lookup plan (``planner.embedding``): gathers and small
+contractions, never the table. By ``plan.split``: ``0`` gathers rows of the one core; a
+bond ``s`` merges ``cores[:s]`` and ``cores[s:]`` into two tables, gathers a slice of each
+per id and multiplies them; ``CHAIN`` contracts the chain per row, a core at a time (eagerly
+in buckets of equal mode index, so each slice is read once per batch).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Planned contractions as ``torch.library`` ops: what a layer calls while torch.compile traces.
 
-While dynamo traces a layer's forward, planning (a cotengra search the first time a shape
-is seen) must not be traced: it is Python the tracer cannot follow and would split the
-graph. So a compiling layer calls :func:`planned_contract` / :func:`planned_lookup`, which
-wrap one ``comera::`` op each. Dynamo records one opaque node per layer (the ``comera``
-backend finds and tunes them there); AOT autograd then decomposes the op's
-``CompositeImplicitAutograd`` body into plain aten ops (permute, reshape, bmm), which
-inductor fuses and differentiates like any other code.
-
-Shapes: the body looks its plan up by the *bucket* of the row count (the next power of
-two), never by the exact count. With a symbolic (dynamic) batch dimension the rows are
-guarded to the plan's *region* (``planner.regions``): the neighbouring buckets that this
-bucket's plan serves within ``SLACK`` of their own best cost. So one graph serves every
-row count of its region, and a new graph is compiled only when a batch needs another
-program. With ``autotune`` (timed plans) the region is the bucket itself.
-
-These live in the planner, below the layers, so the layers call them directly: nothing
-above patches anything below.
+Planning (a cotengra search the first time a shape is seen) must stay out of the trace, so
+a compiling layer calls :func:`planned_contract` / :func:`planned_lookup`, one ``comera::``
+op each: dynamo records one opaque node per layer, and AOT autograd decomposes its
+``CompositeImplicitAutograd`` body into plain aten ops for inductor. The body looks its
+plan up by the rows' bucket; a symbolic batch is guarded to the plan's region
+(``planner.regions``), so one graph serves every row count in it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """What every layer plan offers, whatever it contracts: one protocol, one split.
 
-A plan is the *decision* (which tree or split serves a row bucket, and what it costs there);
-running it is delegated: :class:`~comera_compile.planner.plan.Plan` runs through the
-executor's pairwise program, :class:`~comera_compile.planner.embedding.EmbeddingPlan`
-through the gather-and-contract lookup
-of :mod:`~comera_compile.planner.lookup`. Records, reports and layers only use this surface,
-so they never ask which kind of plan they hold.
+A plan is the decision (which tree or split serves a row bucket, at what cost); a
+:class:`~comera_compile.planner.plan.Plan` runs through the executor, an
+:class:`~comera_compile.planner.embedding.EmbeddingPlan` through ``planner.lookup``.
+Records, reports and layers use only this surface.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Plan regions: the row counts one compiled graph serves with one contraction program.
 
-A compiled graph serves every row count its shape guards admit. Plans are found per
-power-of-two bucket of the rows, but a TT chain's best order changes only a few times over
-all row counts (the cores merge first while the rows are few, the rows run through the
-chain once they dominate), and near a change the two orders cost about the same. So a
-symbolic row count is guarded to its *region*: the run of neighbouring buckets where the
-plan of the rows' own bucket costs at most ``SLACK`` more than each bucket's best plan.
-On the six-encoder, batch sizes 5 to 32 (x 128 rows) then share one graph where they
-compiled one per bucket (``python benchmarks/graphs.py``), and no batch runs a contraction
-at more than ``1 + SLACK`` times its bucket's best cost.
-
-Finding a region plans the neighbouring buckets (cached, a few milliseconds each), out to
-``MAX_BUCKET`` rows; a region that reaches it has no upper bound.
+A TT chain's best order changes only a few times over all row counts, so a symbolic row
+count is guarded to its region: the neighbouring power-of-two buckets where the plan of the
+rows' own bucket costs at most ``SLACK`` more than each bucket's best. Regions are found
+out to ``MAX_BUCKET`` rows; one that reaches it has no upper bound.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """All rank gates of a model as one vector, so per-step bookkeeping is a few fused ops.
 
-A transformer has hundreds of gate vectors (one per internal bond of every tensorized
-layer). Looping over them costs a handful of tiny kernels and often a host sync per gate;
-``GateBank`` concatenates them once per call and reads per-bond quantities with segment
-sums, so the penalty, the soft size and the live-channel counts each cost a few kernels
-and no host sync. Index tensors are rebuilt only when a prune changes the gate sizes.
+Looping over hundreds of gate vectors costs tiny kernels and host syncs per gate;
+``GateBank`` concatenates them and reads per-bond quantities with segment sums, rebuilding
+its index tensors only when a prune changes the gate sizes.
 """
 
 from __future__ import annotations

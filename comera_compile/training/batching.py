@@ -1,12 +1,7 @@
-"""Length-grouped batches: text batches padded to their longest sentence spend most of their
-compute on padding when sentence lengths vary; regrouping the same rows by length leaves the
-data the same and the padding small.
-
-Only right-padded Hugging Face style batches are regrouped: dicts whose ``attention_mask`` is
-``(batch, tokens)`` with every real token before every pad (cutting trailing pad columns then
-changes no position of a real token), whose other entries are the encoder inputs laid out
-like it (``TOKEN_KEYS``) or one value per row. A batch with anything else (a decoder's
-inputs, sequence labels) is not regrouped: which of its columns go with which is not known.
+"""Length-grouped batches: the same rows regrouped by length, so text batches spend less on
+padding. Only right-padded Hugging Face style batches are regrouped (an ``attention_mask``
+of every real token before every pad, other entries laid out like it, ``TOKEN_KEYS``, or
+one per row); anything else is left alone.
 """
 
 from __future__ import annotations

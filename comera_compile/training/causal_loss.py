@@ -1,24 +1,13 @@
 """A causal language model's loss whose backward keeps no copy of the logits.
 
-Hugging Face's ``ForCausalLMLoss`` ends in ``F.cross_entropy``, a ``log_softmax`` that keeps
-its output for backward (one more tensor the size of the logits) and an ``nll_loss`` whose
-backward writes a second one (zeros with the targets scattered in) before ``log_softmax``'s
-backward writes the gradient, a third. With a large vocabulary the logits are the largest
-tensors of the step (LLaMA-60M at batch 16 x 256: 16 x 256 x 32000 floats each), so
-the loss alone holds four of them at its backward's peak. :func:`causal_lm_loss` computes the
-same value from the logits and a per-row log-sum-exp, and its backward writes the gradient,
-``softmax - onehot``, straight into one new tensor: the logits (which the model returns to its
-caller, and so hold anyway) and their gradient. The forward reads the logits in blocks of
-rows, so its exponentials never take a full-size buffer either.
+``F.cross_entropy`` keeps its ``log_softmax`` output and writes two more logit-sized
+tensors in backward; with a large vocabulary those are the step's largest tensors.
+:func:`causal_lm_loss` computes the value from the logits and a per-row log-sum-exp in
+blocks of rows, and its backward writes ``softmax - onehot`` into one new tensor.
 
-**The head's logits recomputed.** Where the logits come straight from the model's output head
-(``nn.Linear``, or a CoLA layer ``silu(x U) diag(g) V``: :func:`tag_head_outputs` marks what
-the head made), the loss keeps the head's narrow input (``x``, or the rank-wide bond) in place
-of the logits, and its backward remakes the logits block by block of rows from it, each block
-giving its part of the gradients of the bond and of the head's last factor at once. No tensor
-the size of the logits is kept for backward or made in it: the logits the model returns are
-freed as soon as its caller drops them (``model(...).loss``). The cost is one more product of
-the head's last factor, in blocks.
+Where the logits come straight from the output head (``nn.Linear``, or CoLA, marked by
+:func:`tag_head_outputs`), the loss keeps the head's narrow input instead and remakes the
+logits block by block in backward, for one more product of the head's last factor.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Distillation: recover a compressed model by training it to match its dense original.
 
-Pretrained weights truncated by TT-SVD lose accuracy the task data may be too scarce to win
-back; the dense model itself is a free teacher on any unlabeled input. ``distill_loss`` is the
-term for a user's own loop; ``distill`` is the loop:
-
     student = cc.optimize(copy.deepcopy(teacher), 0.75, init="dense", compile=False)
     losses = cc.training.distill(student, teacher, batches, steps=500)
 
-``layers`` also matches the outputs of named submodules (hidden states), which needs the
-submodules to exist in the student: optimize with ``inplace=True`` on a copy keeps them.
-
-``fit_layers`` is the cheap first stage: each compressed layer alone is fitted to its dense
-original on the inputs it actually sees (the token ids of the text for a table, the Gram of
-the captured activations for a linear layer), thousands of small steps where a full-model
-step costs a forward and backward through everything.
+The dense model is a free teacher on any unlabeled input. ``distill_loss`` is the term for
+a user's own loop and ``distill`` the loop; ``fit_layers`` is the cheap first stage, each
+compressed layer fitted alone to its dense original on the inputs it sees.
 """
 
 from __future__ import annotations
@@ -93,20 +85,13 @@ def distill(
 ) -> list[float]:
     """Train ``student`` to reproduce ``teacher`` on ``batches``; returns the loss per step.
 
-    ``batches``: inputs as ``optimize``'s ``example_inputs`` (tensor, tuple or dict), passed
-    over again and again until ``steps`` or ``time_limit`` seconds (one pass when neither is
-    given). ``output_fn(output,
-    batch)`` picks the tensor to match (default ``model_output``); ``layers`` adds the outputs
-    of those submodules, weighted by ``layer_weight``: by default the model's repeated blocks
-    (the items of its outermost ``nn.ModuleList``s that the student has too, e.g. a
-    transformer's layers), whose outputs give every block its own signal; ``()`` matches
-    the output only. Padded tokens (where a batch's ``attention_mask`` is 0) are left out
-    of every match. ``group_by_length``: right-padded text batches (a list of dicts with an
-    ``attention_mask``) are regrouped by sentence length each pass, the same rows with
-    little padding (``batching.length_grouped``); the batches are used as given otherwise.
-    The teacher is never updated; the student runs without dropout unless ``dropout=True``,
-    and gets its mode back afterwards. The default ``lr`` suits a student initialised from
-    the teacher's weights (the rates compared: ``benchmarks/results/pretrained_lr.md``).
+    ``batches`` (as ``optimize``'s ``example_inputs``) are passed over until ``steps`` or
+    ``time_limit`` seconds (one pass when neither is given). ``output_fn(output, batch)`` picks
+    the tensor to match; ``layers`` adds those submodules' outputs, weighted by
+    ``layer_weight`` (default: the repeated blocks both models have; ``()``: the output only).
+    Padded tokens are left out of every match, and right-padded text batches are regrouped by
+    length (``group_by_length``). The teacher is never updated; the student runs without
+    dropout unless ``dropout=True``. The default ``lr`` suits a student made from the teacher.
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be a positive int or None, got {steps!r}")
@@ -278,17 +263,12 @@ def fit_layers(
 ) -> dict[str, tuple[float, float]]:
     """Fit each compressed layer to its dense original on the inputs it sees; in place.
 
-    The teacher runs over ``batches`` (stopping each forward after the last layer of
-    interest; with a ``time_limit``, for at most a third of it) to record every layer's
-    inputs: a table's ids with their frequencies, a linear layer's input Gram. A linear
-    layer of any format first gets the closed-form output-aware decomposition of its dense
-    weight on that Gram (``formats.whiten``: optimal for low rank), kept where it scores
-    better. Then each layer's cores (not its bias or rank gates) take Adam steps on
-    ``||layer(x) - dense(x)||^2 / ||dense(x)||^2`` -- ``sample`` ids per step for a table,
-    all Gram rows for a linear layer -- for ``steps`` each, or else for the rest of
-    ``time_limit`` seconds shared in proportion to the layers' parameters. ``layers`` defaults
-    to ``compressed_layers``. The best state seen is kept, so no layer's error rises.
-    Returns ``{name: (loss before, loss after)}`` on one draw of the recorded inputs.
+    The teacher runs over ``batches`` (for at most a third of a ``time_limit``) to record each
+    layer's inputs: a table's id frequencies, a linear layer's input Gram. A linear layer
+    first gets the closed-form output-aware decomposition (``formats.whiten``) where it scores
+    better; then its cores take Adam steps on the relative output error, for ``steps`` each or
+    the rest of ``time_limit`` shared by parameters. The best state seen is kept. Returns
+    ``{name: (loss before, loss after)}``.
     """
     if not 0.0 <= uniform <= 1.0:
         raise ValueError(f"uniform is a share of the sampled ids, in [0, 1]; got {uniform!r}")

@@ -1,17 +1,10 @@
 """Rank-adaptive training under ``torch.distributed`` data parallelism.
 
-Pruning changes parameter shapes, and ``DistributedDataParallel`` fixes its gradient
-buckets to the shapes it saw when it was built. ``PrunableDDP`` wraps the model like DDP
-and rebuilds the DDP wrapper (and with it the reducer) on the first forward after the
-shapes changed, so the training loop does not notice. The optimizer is unaffected: pruning
-keeps every Parameter object and slices its state.
-
-Every rank must make the same pruning decision. After all-reduced gradients the gates are
-bitwise equal on every rank; the trainer checks that at each prune (``Collective``), and
-the channel-removal decision of the budget schedule is taken from rank 0's numbers.
-The task loss the trainer sees is averaged over ranks: the loss of the concatenated batch.
-
-    torchrun --nproc_per_node=2 train.py     # gloo on CPU, nccl on GPU
+``DistributedDataParallel`` fixes its gradient buckets to the shapes it was built with,
+and pruning changes them: ``PrunableDDP`` rebuilds the DDP wrapper on the first forward
+after a shape change. Every rank must prune alike: the gates are checked equal at each
+prune (``Collective``), the budget's removals come from rank 0, and the task loss is
+averaged over ranks.
 """
 
 from __future__ import annotations

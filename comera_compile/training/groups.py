@@ -1,18 +1,16 @@
-"""Optimizer parameter groups: structure-aware learning rates from the dense model's one.
+"""Optimizer parameter groups: structure-aware learning rates from the dense model's one,
+and the groups saved and restored by parameter name across prunes.
 
-A user knows the learning rate of the dense model; a tensorized layer's cores are small
-linear maps of very different fan-ins, and one rate for all of them is wrong for most
-(too slow for the thin output cores, too fast for wide ones). ``param_groups(model, lr)``
-gives each core the rate that makes it move its output as much per step as the dense layer
-would (``formats.scaling``: ``lr * F / (L * F_k)``), the gates ten times the dense rate
-(the reference's gate-to-core ratio), and everything else ``lr``. Without ``lr`` it keeps
-the reference code's fixed rates.
+Cores of very different fan-ins want different rates: ``param_groups(model, lr)`` gives
+each core the rate that moves its output as much as the dense layer would
+(``formats.scaling``), the gates ten times ``lr`` and the rest ``lr``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from comera_compile.formats import lr_multipliers
@@ -85,3 +83,44 @@ def param_groups(
         {"name": "rest", "params": rest, "lr": lr_rest, "weight_decay": weight_decay},
     ]
     return [g for g in groups if g["params"]]
+
+
+def _plain(value: Any) -> bool:
+    """Whether a group setting survives JSON as it is (a tensor rate does not)."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def group_layout(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 plain: bool = True) -> list[dict[str, Any]] | None:
+    """The optimizer's groups with parameter names for parameters, or None where a parameter
+    is not the model's; ``plain`` keeps only the settings JSON holds as they are."""
+    names = {p: n for n, p in model.named_parameters()}
+    if optimizer is None or any(p not in names for g in optimizer.param_groups
+                                for p in g["params"]):
+        return None
+    return [{**{k: v for k, v in g.items() if k != "params" and (_plain(v) or not plain)},
+             "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def regroup(model: nn.Module, optimizer: torch.optim.Optimizer, saved: list) -> None:
+    """Group ``optimizer``'s parameters by name as they were saved: ``param_groups`` rates
+    each core by its fan-in, which pruning changes, so a fresh optimizer on a pruned model
+    can group differently, and its ``load_state_dict`` would refuse the saved state or pair
+    it with other parameters."""
+    mine = group_layout(model, optimizer)
+    if not saved or mine is None or [g["params"] for g in mine] == [g["params"] for g in saved]:
+        return
+    ours = sorted(n for g in mine for n in g["params"])
+    theirs = sorted(n for g in saved for n in g["params"])
+    if ours != theirs:
+        raise ValueError(
+            "the saved optimizer held other parameters than this optimizer "
+            f"({len(theirs)} saved, {len(ours)} here); build the optimizer over the same "
+            "parameters (the same requires_grad settings) as the run that saved"
+        )
+    params = dict(model.named_parameters())
+    optimizer.param_groups.clear()
+    for group in saved:
+        optimizer.add_param_group({**group, "params": [params[n] for n in group["params"]]})

@@ -1,17 +1,11 @@
 """The terms CoMERA adds to the task loss (all differentiable in the gates and cores).
 
-- ``rank_penalty``: the early-stage l1 on the rank gates, as the reference code has it: the
-  mean magnitude of the *active* gate entries (``|g| > threshold``) over all tensorized
-  layers, times a small weight. Dead entries get no gradient (the forward already ignores
-  them). An optional l2 on the cores stops the cores from growing to undo the shrinking
-  gates.
-- ``soft_size``: the late stage's size term ``R``. It is the core parameter count with each
-  rank replaced by a "soft rank", the sum of ``|g|`` over the bond's active entries. With
-  all gates at 1 it equals the true count; it is differentiable in the gates and weights
-  each bond by the parameters it costs, so the late stage cuts expensive bonds first.
-  The trainer divides it by its value at late-stage start, so ``R`` starts at 1.
-
-What a model weighs (not a loss term) is in ``comera_compile.training.size``.
+- ``rank_penalty``: the early stage's l1 on the rank gates, the mean magnitude of the
+  active entries (as the reference code has it), with an optional l2 on the cores so they
+  do not grow to undo the shrinking gates.
+- ``soft_size``: the late stage's size term ``R``, the core parameter count with each rank
+  replaced by the sum of its active ``|g|``: it weighs each bond by the parameters it costs,
+  so expensive bonds are cut first.
 """
 
 from __future__ import annotations

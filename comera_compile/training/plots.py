@@ -1,10 +1,8 @@
 """Pictures of a training history: ranks per layer, and size / compression, over steps.
 
-``plot_ranks`` draws one panel per group of layers (layers whose names differ only in a
-block index, such as every decoder layer's query projection), one line per layer with the
-index in the legend, beside a panel of the model's size over steps with the late stage's
-budget and its target marked. matplotlib runs on the Agg backend (files only, no
-display), imported lazily so the rest of the package does not need it.
+``plot_ranks`` draws one panel per group of layers (names that differ only in a block
+index) beside the model's size with the late stage's budget and target. matplotlib is
+imported lazily, on the Agg backend.
 """
 
 from __future__ import annotations

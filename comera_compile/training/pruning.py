@@ -1,17 +1,10 @@
 """Drop dead rank channels during training, optimizer state included.
 
-``prune_ranks`` shrinks each core and gate in place (same Parameter objects, smaller
-``.data``). The optimizer keeps per-parameter state in the old shape, so we slice it as the
-parameters were sliced: any state tensor laid out along the parameter's dimensions, each of
-its sizes the parameter's or 1, is cut along the pruned dimension where it spans it. That
-covers elementwise state (AdamW's moments, SGD's momentum, Adagrad's sums) and factored
-state that broadcasts (Adafactor's row and column variances). Training then goes on as if
-the channels had never existed, and every later step is cheaper. Scalar state such as
-``step`` is left alone. State of any other shape cannot be cut: that parameter's state is
-dropped, with a warning, and the optimizer starts it afresh as at its first step.
-
-Under ``torch.compile`` a prune changes parameter shapes, so the model recompiles once per
-prune that removed something; nothing else changes shapes between prunes.
+``prune_ranks`` shrinks each core and gate in place (same Parameter objects), so the
+optimizer's per-parameter state is sliced the same way: any state tensor whose sizes are
+the parameter's or 1 (AdamW's moments, SGD's momentum, Adafactor's factored variances) is
+cut where it spans the pruned dimension, and scalar state is left alone. State of any
+other shape is dropped, with a warning, and starts afresh.
 """
 
 from __future__ import annotations
@@ -150,15 +143,10 @@ def revive_fresh_deaths(
     unit: list[int] | None = None,
 ) -> int:
     """Switch channels that died at the threshold this step back on, the largest bond energy
-    first, until the size has regained ``deficit`` (or none is left).
-
-    A gate pushed down by the rank terms crosses the threshold by itself, and under Adam all
-    gates of a bond that the size term outweighs fall at the same rate, so they cross
-    together: one step can take a bond from full rank to ``min_rank`` and the model far
-    below the size it was asked for. Fresh deaths are the entries with ``0 < |g| <= t``
-    (``freeze_dead`` zeroes them after this step; entries switched off on purpose are 0
-    already). A revived entry sits at twice the threshold with its momentum cleared, as
-    ``lift_short_bonds`` leaves one. ``counts`` is updated in place; returns how many."""
+    first, until the size has regained ``deficit``: under Adam a bond's gates fall at one rate
+    and cross the threshold together, which would take the model far below its size.
+    Revived entries sit at twice the threshold with their momentum cleared. ``counts`` is
+    updated in place; returns how many."""
     candidates = []
     for b, gate in enumerate(bank.gates):
         g = gate.detach().abs()
@@ -253,14 +241,11 @@ def choose_removals(
     min_rank: int,
     unit: list[int] | None = None,
 ) -> dict[int, list[int]]:
-    """Channels to switch off so the size falls by ``excess``: the smallest energy shares
-    first, never below ``min_rank`` live channels per bond, and none whose cost is more
-    than twice what is left to remove (the size lands nearest the budget, by at most half
-    a channel above it, rather than a whole costly channel below).
-
-    ``scores`` is the flat concatenation of ``channel_scores``; ``unit`` the bytes per
-    parameter of each layer (None: count parameters). ``counts`` is updated in place.
-    Returns gate entry indices by bond.
+    """Channels to switch off so the size falls by ``excess``: the smallest energy shares first
+    (``scores``, flat ``channel_scores``), never below ``min_rank`` per bond, and none costing
+    more than twice what is left, so the size lands nearest the budget. ``unit``: bytes per
+    parameter of each layer (None: parameters). ``counts`` is updated in place; returns gate
+    entry indices by bond.
     """
     bond_of, entry_of = [], []
     for b, n in enumerate(bank.sizes()):

@@ -1,14 +1,10 @@
 """The two stages of CoMERA training and the rules that move between them.
 
-Early stage: task loss plus a small gate penalty, for stable convergence. Late stage:
-each step optimise whichever of task loss ``L`` and model size ``S`` is relatively
-further from its target (the reference's switch rule), with a little of both always on:
-``loss = 0.1 L + 0.01 R + lam R + (1 - lam) L``.
-
-When the run's length is known, the late stage also follows a size budget that tightens
-from the size at late-stage start to the target on a cubic schedule (as AdaLoRA and
-movement pruning do: fast while the model has slack, gently near the target), reaching
-the target with ``settle_fraction`` of the late stage left for the task loss to recover.
+Early stage: task loss plus a small gate penalty. Late stage: the reference's switch rule,
+``loss = 0.1 L + 0.01 R + lam R + (1 - lam) L``, optimising whichever of task loss and size
+is further from its target; or, where the run's length is known, a size budget that
+tightens on a cubic schedule (fast while there is slack, gently near the target) and
+reaches it with ``settle_fraction`` of the late stage left.
 """
 
 from __future__ import annotations

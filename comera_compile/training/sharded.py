@@ -1,34 +1,18 @@
 """Rank-adaptive training under FSDP2 (``torch.distributed.fsdp.fully_shard``), pruning included.
 
-FSDP2 replaces each parameter by a DTensor sharded on dim 0, and builds one parameter
-group per ``fully_shard`` call whose all-gather and reduce-scatter are laid out from the
-parameter shapes at wrap time. A prune changes core shapes, so:
+FSDP2 lays out each group's collectives from the parameter shapes at wrap time, and a
+prune changes them, so:
 
 - ``shard(model)`` shards every block, then the root, but keeps the rank gates whole on
-  every rank (FSDP's ``ignored_params``): they are tiny, every step's bookkeeping reads
-  them, and every rank must see the same values to prune the same. FSDP does not reduce
-  ignored parameters, so their gradients are averaged over ranks once per backward.
-- ``prune_sharded`` (what ``RankAdaptiveTrainer.prune`` calls on a sharded model), for each
-  FSDP group holding a layer with dead channels: gathers the group's parameters and their
-  optimizer state as plain full tensors, prunes as on one process, and shards the group
-  again, the optimizer's parameter groups and state moved over to the new sharded
-  parameters. Every rank does the same in the same order: the gates decide, and they are
-  checked equal on every rank before each prune.
+  every rank (``ignored_params``): every step reads them and every rank must prune alike.
+  Their gradients are averaged once per backward.
+- ``prune_sharded`` gathers each group that holds dead channels with its optimizer state,
+  prunes as on one process and shards it again, rebuilding the group's ``FSDPParam`` list
+  with FSDP2's own constructor (internals checked by ``tests/test_training_fsdp.py``).
 
-``fully_shard`` cannot be applied to a module twice and has no call that changes a
-parameter's shape, so the re-shard rebuilds the group's list of ``FSDPParam`` with FSDP2's
-own constructor and keeps the group object (its hooks, streams and settings). That uses
-FSDP2 internals, checked against torch 2.13 by ``tests/test_training_fsdp.py``.
-
-Checkpoints: ``save_checkpoint`` writes model, optimizer and trainer with
-``torch.distributed.checkpoint`` (``get_state_dict``: each rank writes its shards); every
-tensorized layer's layout (its ranks after pruning) rides in the model's state dict as its
-``_extra_state``, as in ``comera_compile.save``. To resume, ``cut_to_checkpoint`` cuts the
-freshly built model to the saved ranks, then shard it, build the optimizer and trainer,
-and ``load_checkpoint``. For ``comera_compile.save``, gather the state with
-``full_state_dict`` and load it into an unsharded model of the same build.
-
-Only 1-D meshes (plain FSDP) are handled, and the gates' device is the mesh's.
+``save_checkpoint`` / ``load_checkpoint`` go through ``torch.distributed.checkpoint``;
+layouts ride in the state dict as in ``comera_compile.save``, and ``cut_to_checkpoint``
+cuts a fresh model to the saved ranks before sharding. Only 1-D meshes are handled.
 """
 
 from __future__ import annotations
@@ -44,11 +28,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from comera_compile.nn import PruneResult, TensorizedLayer, tensorized_layers
-from comera_compile.nn.base import decode_layout
+from comera_compile.nn.base import LAYOUT_KEY, decode_layout
 from comera_compile.nn.gates import alive
+from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.pruning import prune_layer
-
-EXTRA = "_extra_state"
 
 __all__ = [
     "cut_to_checkpoint",
@@ -86,13 +69,11 @@ def shard(
 ) -> nn.Module:
     """``fully_shard`` each block, then ``model`` itself, keeping the rank gates whole.
 
-    ``blocks``: the modules to shard as groups of their own (a Hugging Face model's
-    decoder layers by default), or a predicate over ``model.modules()``. Keyword arguments
-    go to every ``fully_shard`` call (``mesh``, ``reshard_after_forward``, ``mp_policy``,
-    ``offload_policy``); ``shard_placement_fn`` and ``ignored_params`` are refused: a prune
-    re-shards on dim 0, and the gates are the ignored parameters. Call it before building
-    the optimizer and the trainer (they must hold the sharded parameters). Returns
-    ``model``, sharded in place.
+    ``blocks``: the modules to shard as groups (a Hugging Face model's decoder layers by
+    default), or a predicate. Keyword arguments go to every ``fully_shard`` call;
+    ``shard_placement_fn`` and ``ignored_params`` are refused (a prune re-shards on dim 0, and
+    the gates are the ignored parameters). Call it before building the optimizer and the
+    trainer. Returns ``model``, sharded in place.
     """
     for refused in ("shard_placement_fn", "ignored_params"):
         if fully_shard_kwargs.get(refused) is not None:
@@ -294,11 +275,9 @@ def prune_sharded(
 
 # ----- checkpoints ---------------------------------------------------------------------------
 def full_state_dict(model: nn.Module, cpu_offload: bool = True) -> dict[str, Any]:
-    """The whole model's state dict, layouts included (collective: every rank calls it).
-    With ``cpu_offload`` (the default) only rank 0 gets it, in CPU memory, and the others
-    an empty dict; without, every rank gets it on the model's device. Load it into an
-    unsharded model of the same build (``load_state_dict`` cuts its layers to the saved
-    ranks) to ``comera_compile.save`` it."""
+    """The whole model's state dict, layouts included (collective). With ``cpu_offload`` only
+    rank 0 gets it, on the CPU; load it into an unsharded model of the same build to
+    ``comera_compile.save`` it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
@@ -306,17 +285,15 @@ def full_state_dict(model: nn.Module, cpu_offload: bool = True) -> dict[str, Any
 
 
 def cut_to_checkpoint(model: nn.Module, checkpoint_id: str, prefix: str = "model.") -> int:
-    """Cut a freshly built, unsharded model's tensorized layers to the ranks saved in a
-    ``torch.distributed.checkpoint`` directory, before ``shard`` and the optimizer: the
-    sharded load then finds every tensor at its saved shape. ``prefix`` is where the
-    model's state dict sits in the saved dict (``{"model": ...}`` by default). Collective
-    when a process group is initialised (every rank reads the layouts). Returns how many
-    layers changed."""
+    """Cut a freshly built, unsharded model's layers to the ranks saved in a
+    ``torch.distributed.checkpoint`` directory, before ``shard``, so the sharded load finds
+    every tensor at its saved shape. ``prefix``: where the model's state sits in the saved
+    dict. Collective where a process group is up. Returns how many layers changed."""
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     layers = tensorized_layers(model)
-    wanted = {f"{prefix}{name}.{EXTRA}": name for name in layers}
+    wanted = {f"{prefix}{name}.{LAYOUT_KEY}": name for name in layers}
     state = {
         key: torch.empty(metadata[key].size, dtype=torch.uint8)
         for key in wanted
@@ -358,35 +335,6 @@ def _unblob(buffer: io.BytesIO) -> Any:
     return torch.load(buffer, weights_only=True)
 
 
-def _group_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups with parameter names for parameters."""
-    names = {p: n for n, p in model.named_parameters()}
-    return [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-        for g in optimizer.param_groups
-    ]
-
-
-def _adopt_group_layout(
-    model: nn.Module, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]
-) -> None:
-    """Regroup ``optimizer`` as it was saved. ``param_groups(model, lr=...)`` sets each
-    core's rate from its fan-in, which pruning changes, so a fresh optimizer on a cut
-    model can group differently from the one that was saved."""
-    params = dict(model.named_parameters())
-    mine = sorted(n for g in _group_layout(model, optimizer) for n in g["params"])
-    theirs = sorted(n for g in saved for n in g["params"])
-    if mine != theirs:
-        raise ValueError(
-            "the checkpoint's optimizer holds other parameters than this optimizer "
-            f"({len(theirs)} saved, {len(mine)} here); build the optimizer over the same "
-            "parameters (the same requires_grad settings) as the run that saved"
-        )
-    optimizer.param_groups.clear()
-    for group in saved:
-        optimizer.add_param_group({**group, "params": [params[n] for n in group["params"]]})
-
-
 def save_checkpoint(
     checkpoint_id: str,
     model: nn.Module,
@@ -399,7 +347,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     state = _checkpoint_state(model, optimizer)
-    state["param_groups"] = _blob(_group_layout(model, optimizer))
+    state["param_groups"] = _blob(group_layout(model, optimizer, plain=False))
     if trainer is not None:
         state["trainer"] = _blob(trainer.state_dict())
     dcp.save(state, checkpoint_id=checkpoint_id)
@@ -419,7 +367,7 @@ def load_checkpoint(
 
     groups = {"param_groups": io.BytesIO()}
     dcp.load(groups, checkpoint_id=checkpoint_id)
-    _adopt_group_layout(model, optimizer, _unblob(groups["param_groups"]))
+    regroup(model, optimizer, _unblob(groups["param_groups"]))
     state = _checkpoint_state(model, optimizer)
     if trainer is not None:
         state["trainer"] = io.BytesIO()

@@ -1,14 +1,8 @@
 """Where a rank-adaptive run starts: larger than the size it should end at.
 
-CoMERA's promise is to start large, let the rank gates find where rank matters, and end
-at the asked size with better quality than training that size from the start. The user
-names one number, the share of the dense model to end with (``budget``); ``optimize``
-builds the model at ``start_budget(budget)`` (twice it), and
-``RankAdaptiveTrainer(..., target_budget=budget)`` brings it back to ``budget``::
-
-    small = cc.optimize(model, budget=cc.training.start_budget(0.125), example_inputs=...)
-    trainer = cc.training.RankAdaptiveTrainer(small, optimizer, target_budget=0.125,
-                                              total_steps=steps)
+The user names the share of the dense model to end with; ``optimize`` builds the model at
+``start_budget(budget)`` (twice it) and ``RankAdaptiveTrainer(..., target_budget=budget)``
+brings it back, letting the gates find where rank matters on the way.
 """
 
 from __future__ import annotations

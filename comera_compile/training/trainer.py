@@ -1,60 +1,18 @@
 """RankAdaptiveTrainer: CoMERA's two-stage rank adaptation in a plain PyTorch loop.
 
-    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.2, early_steps=2000,
-                                  total_steps=len(loader) * epochs)
+    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.2, total_steps=n)
     for x, y in data:
         loss = trainer.loss(F.cross_entropy(model(x), y))
         optimizer.zero_grad(); loss.backward(); optimizer.step()
         trainer.step()
 
-``loss`` adds the terms of the current stage; ``step`` does the bookkeeping: dead rank
-channels are frozen at exactly zero (with their optimizer state, so momentum cannot bring
-them back), channels are pruned for real every ``prune_every`` steps (100 by default), at
-the stage switch and where the run needs its final shapes, the late stage starts when due,
-and the history is recorded. ``optimize``'s compiled models keep their ranks symbolic
-(``compile.policy.rank_dims``): a cut compiles nothing, and they are cut as often as eager ones.
-A model compiled at static ranks recompiles at each cut, so it is cut only once a third of
-its core parameters are dead (``COMPILED_MIN_CUT``) and where the run needs its final
-shapes: a few compiles per run, not one per prune. Where ``optimize``'s measured compile
-runs it and the run's length is known, a cut whose recompile the compiled step's measured
-gain would not pay back over the steps left turns the model eager instead.
-``prune_every=None`` never changes a parameter's shape (dead channels are only frozen at
-zero), for wrappers that fix shapes at wrap time (FSDP1, a framework's own DDP); prune
-once after training.
-Under DDP wrap the model in ``PrunableDDP``; under FSDP2 shard it with ``training.shard``
-(each prune then gathers, cuts and re-shards the groups that lost channels).
-
-The late stage needs targets. Size ``S`` is ``model_size`` (parameters, or bytes with
-``target_bytes``); its target ``S_t`` is ``target_ratio`` times ``S`` when the trainer was
-built (so channels the early stage lost count against it), or ``target_params`` /
-``target_bytes``, or, with ``target_budget=b`` for a model ``optimize`` built at
-``start_budget(b)`` (twice ``b``), the share ``b`` of the dense model. Channels that die
-at the threshold never take ``S`` below ``S_t`` (nor, in the late stage, below the
-budget): the ones that carry most come back on (``size_floor``). ``target_reached`` means
-``S`` is within ``TARGET_TOLERANCE`` (5%) of ``S_t``; ``target_gap`` says by how much.
-The task-loss target ``L_t`` is ``task_target``, or else the task loss EMA at late-stage
-start (hold the loss where it was, shrink the rest).
-
-Without the run's length the late stage is the paper's: each step the switch rule picks
-the objective further from its target. With ``total_steps`` (or ``epochs`` and
-``steps_per_epoch``) the late stage is gradual pruning instead: a size budget tightens on
-a cubic schedule and reaches ``S_t`` with ``settle_fraction`` of the late stage left, and
-at each prune point where the size lags the budget, the channels with the smallest share
-of their bond's energy are switched off until it does not. The task loss keeps its full
-weight all along (plus the paper's small always-on size term): the switch rule, which
-drops the task loss to a tenth of its weight whenever size lags, is what cost a
-pretraining run most of its quality once the late stage began. So a run of a few hundred
-steps ends at its target, near the quality of the same layers trained at that size.
-``early_steps="auto"`` (the default) ends the early stage after a fifth of a run of known
-length (1000 steps otherwise), leaving the pruned model most of the run to train.
-
-``progress=True`` shows a tqdm bar advanced by ``step`` (its total is the run's length when
-known) with the stage and ``S`` as a fraction of its starting value; it closes itself after
-the last step of a known-length run, else call ``close()``.
-
-Bookkeeping costs a few fused kernels over all gates and one device-to-host transfer per
-step. ``lam`` and the size scale are tensors set from the previous step's values, so
-``loss`` never syncs and can run inside a captured (compiled / CUDA Graph) step.
+``loss`` adds the current stage's rank terms; ``step`` freezes dead channels at zero (with
+their optimizer state), prunes every ``prune_every`` steps and starts the late stage when
+due. With the run's length the late stage prunes to a cubic size schedule; without it, it
+follows the paper's switch rule. A model compiled at static ranks is cut only when enough
+is dead (``COMPILED_MIN_CUT``), since each cut recompiles. ``prune_every=None`` never
+changes shapes, for wrappers that fix them at wrap time. The stages, targets and their
+reasons: docs/rank-adaptive.md.
 """
 
 from __future__ import annotations
@@ -67,11 +25,17 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from comera_compile.compile.state import compiled_state
 from comera_compile.formats import positive_int
 from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
+from comera_compile.training.compiled import (
+    COMPILED_MIN_CUT,
+    announce_run,
+    is_compiled,
+    worth_cutting,
+)
 from comera_compile.training.distributed import Collective, unwrap
+from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.history import History
 from comera_compile.training.pruning import (
     channel_scores,
@@ -86,6 +50,8 @@ from comera_compile.training.schedule import EARLY, LATE, Plateau, SizeTargetSch
 from comera_compile.training.size import model_size
 from comera_compile.training.start import end_ratio
 
+__all__ = ["COMPILED_MIN_CUT", "TARGET_TOLERANCE", "RankAdaptiveTrainer", "is_compiled"]
+
 PRUNE_EVERY = 100
 """``prune_every="auto"``: how often dead channels are looked for and cut out."""
 
@@ -96,24 +62,6 @@ SWITCH_SLACK = 0.01
 """The switch rule counts a size within this share above its budget as met: the size floor
 holds the size just above the budget, and a rule waiting for ``S <= S_t`` exactly would
 keep the task loss at a tenth of its weight for good."""
-
-COMPILED_MIN_CUT = 1 / 3
-"""A compiled model recompiles at every shape change, so it is cut only once a third of its
-core parameters are dead, and where the run needs its final shapes: at most a few
-compiles per run (``1 + log(1 / ratio) / log(3 / 2)`` cuts to reach a size ratio)."""
-
-
-def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model``'s training steps run through ``torch.compile`` (wrapped, or
-    compiled in place; not where ``optimize``'s measured compile chose eager)."""
-    return compiled_state(model).compiled
-
-
-def cuts_recompile(model: nn.Module) -> bool:
-    """Whether a rank cut makes ``model``'s training steps compile again: they run compiled
-    (``is_compiled``), at static ranks (``MeasuredCompile.cuts_recompile``)."""
-    return compiled_state(model).cuts_recompile
-
 
 def _is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 sharded (part of) ``model``; never imports FSDP where it is absent."""
@@ -145,45 +93,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
         )
 
 
-def _plain(value: Any) -> bool:
-    """Whether a group setting survives JSON as it is (a tensor rate does not)."""
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def _group_layout(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list | None:
-    """The optimizer's groups with parameter names for parameters (and their plain
-    settings), or None where a parameter is not the model's."""
-    names = {p: n for n, p in model.named_parameters()}
-    if optimizer is None or any(p not in names for g in optimizer.param_groups
-                                for p in g["params"]):
-        return None
-    return [{**{k: v for k, v in g.items() if k != "params" and _plain(v)},
-             "params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
-
-
-def _regroup(model: nn.Module, optimizer: torch.optim.Optimizer, saved: list) -> None:
-    """Group ``optimizer``'s parameters by name as they were saved: ``param_groups(model,
-    lr)`` rates each core by its fan-in, which pruning changes, so a fresh optimizer on a
-    model rebuilt at the pruned ranks can group differently; ``optimizer.load_state_dict``
-    then refuses the saved state, or would pair it with other parameters."""
-    mine = _group_layout(model, optimizer)
-    if mine is None or [g["params"] for g in mine] == [g["params"] for g in saved]:
-        return
-    params = dict(model.named_parameters())
-    if sorted(n for g in mine for n in g["params"]) != sorted(
-            n for g in saved for n in g["params"]):
-        raise ValueError(
-            "the saved trainer's optimizer held other parameters than this optimizer; build "
-            "the optimizer over the same parameters (requires_grad settings) as the run that "
-            "saved"
-        )
-    optimizer.param_groups.clear()
-    for group in saved:
-        optimizer.add_param_group({**group, "params": [params[n] for n in group["params"]]})
-
-
 def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
     if total_steps is not None and (epochs is not None or steps_per_epoch is not None):
         raise ValueError("give total_steps, or epochs and steps_per_epoch, not both")
@@ -195,7 +104,17 @@ def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
 
 
 class RankAdaptiveTrainer:
-    """Adds CoMERA's rank terms to the task loss and shrinks the model as it trains."""
+    """Adds CoMERA's rank terms to the task loss and shrinks the model as it trains.
+
+    The size target ``S_t`` is ``target_ratio`` of the size at construction, or
+    ``target_params`` / ``target_bytes``, or ``target_budget=b`` (the share ``b`` of the
+    dense model, for a model built at ``start_budget(b)``); the task-loss target is
+    ``task_target`` or the loss EMA at late-stage start. ``total_steps`` (or ``epochs`` and
+    ``steps_per_epoch``) turns on the scheduled late stage, which reaches ``S_t`` with
+    ``settle_fraction`` of it left; ``early_steps="auto"`` is a fifth of such a run (1000
+    steps otherwise). ``progress=True`` shows a tqdm bar. Under DDP wrap the model in
+    ``PrunableDDP``; under FSDP2 shard it with ``training.shard``.
+    """
 
     def __init__(
         self,
@@ -273,7 +192,8 @@ class RankAdaptiveTrainer:
         self.last_pruned: dict[str, PruneResult] = {}
         self._size_initial = self._size_of(self._counts)
         self._bar = tqdm(total=self.total_steps, unit="step") if progress else None
-        self._announce_shape_change()
+        if self.prune_every is not None:
+            announce_run(model, self.steps, self.total_steps, self.early_steps)
 
     # ----- what the loop calls ------------------------------------------------------------
     @property
@@ -386,55 +306,17 @@ class RankAdaptiveTrainer:
         live = sum(self.bank.layer_parameters(counts))
         return 1.0 - live / stored if stored else 0.0
 
-    def _prune_if_worth_it(self, counts: list[int], required: bool = False) -> None:
-        """Prune when the cut is worth a shape change: always for an eager model (or one
-        compiled at symbolic ranks); for one that recompiles per cut, when
-        ``COMPILED_MIN_CUT`` of the cores are dead or where the run needs its final shapes
-        (``required``: the budget's end, the run's end)."""
-        share = self.dead_share(counts)
-        compiled = cuts_recompile(self.model)
-        if compiled and share > 0 and (share >= COMPILED_MIN_CUT or required):
-            compiled = self._keep_compiled()
-        min_cut = COMPILED_MIN_CUT if compiled else 0.0
-        if share > 0 and (share >= min_cut or required):
+    def _prune_if_worth_it(self, counts: list[int], required: bool) -> None:
+        if worth_cutting(self.model, self.dead_share(counts), required, self.steps,
+                         self.total_steps):
             self.prune()
-
-    def _announce_shape_change(self) -> None:
-        """Tell a measured compile (``optimize``'s default) how long its training graph
-        will serve, where the run's length is known: until the first cut (the end of the
-        early stage) where a cut recompiles, else until the run's end. It then compiles
-        only if that can pay by then. A run that cuts ranks compiles the whole model rather
-        than blocks of static ranks (``MeasuredCompile.expect_cuts``)."""
-        impl = compiled_state(unwrap(self.model)).measured
-        if impl is None or self.prune_every is None:
-            return
-        impl.expect_cuts()
-        if self.total_steps is None:
-            return
-        if not impl.cuts_recompile:
-            impl.run_ends_after(self.total_steps - self.steps)
-        elif self.early_steps is not None:
-            impl.shapes_change_after(self.early_steps)
-
-    def _keep_compiled(self) -> bool:
-        """Before a cut of a model ``optimize`` compiled (its measured compile): keep it
-        compiled only if the recompile the cut causes is paid back by the compiled step's
-        measured gain over the steps the run has left; else run it eager from now on."""
-        impl = compiled_state(unwrap(self.model)).measured
-        if impl is None or self.total_steps is None:
-            return True
-        why = impl.why_not_recompile(self.total_steps - self.steps)
-        if not why:
-            return True
-        impl.run_eager(f"from step {self.steps}: {why}")
-        return False
 
     def start_late_stage(self, counts: list[int] | None = None) -> None:
         """Switch to the late stage now: prune (unless ``prune_every=None``), then fix
         ``S_t``, ``L_t``, the R scale and the budget schedule."""
         counts = self._read()[0] if counts is None else counts
         if self.prune_every:
-            self._prune_if_worth_it(counts)
+            self._prune_if_worth_it(counts, required=False)
         self.size_start = self._size_of(counts)
         if self.target_bytes is not None:
             self.size_target = float(self.target_bytes)
@@ -568,11 +450,9 @@ class RankAdaptiveTrainer:
         return sum(sizes) + self._other
 
     def _hold_floor(self, counts: list[int]) -> None:
-        """Where this step's threshold deaths took the size below ``size_floor`` (and below
-        where it was), switch the most energetic of them back on until it is not
-        (``revive_fresh_deaths``; ``counts`` is updated to match). Channels are cut below
-        the budget only by choice (``_meet_budget``, least energy first), never by a bond's
-        gates falling through the threshold together."""
+        """Where this step's threshold deaths took the size below ``size_floor`` (and below where
+        it was), switch the most energetic back on (``revive_fresh_deaths``): channels go below
+        the budget only by choice (``_meet_budget``)."""
         floor = self.size_floor()
         if floor is None:
             return
@@ -668,7 +548,7 @@ class RankAdaptiveTrainer:
             "schedule": None if self.schedule is None else vars(self.schedule).copy(),
             "plateau": self.plateau.state_dict(),
             "history": None if self._history is None else self._history.state_dict(),
-            "param_groups": _group_layout(unwrap(self.model), self.optimizer),
+            "param_groups": group_layout(unwrap(self.model), self.optimizer),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -676,7 +556,7 @@ class RankAdaptiveTrainer:
         optimizer and the trainer, load this (it groups the optimizer's parameters by name
         as they were saved), then ``optimizer.load_state_dict``."""
         if self.optimizer is not None and state.get("param_groups"):
-            _regroup(unwrap(self.model), self.optimizer, state["param_groups"])
+            regroup(unwrap(self.model), self.optimizer, state["param_groups"])
         self.steps, self._stage = state["steps"], state["stage"]
         self.size_start, self.size_target = state["size_start"], state["size_target"]
         self._size_initial = state.get("size_initial", self._size_initial)

@@ -1,38 +1,19 @@
 """Keep freed large CPU blocks by exact size, so a training step reuses the last step's.
 
-A training step allocates the same large activations in the same sizes every step. glibc
-either unmaps each freed block at once (every step then pays a page fault per 4 KiB page it
-touches anew; ``python benchmarks/step.py`` prints the faults per step of each row)
-or keeps it in its heap, where blocks of many sizes freed in a new order leave holes that
-raise the resident peak above what is live (``compile.cpu.host_memory``).
+A step allocates the same large activations every step; glibc either unmaps them (a page
+fault per page each step) or keeps them in a heap that fragments. This allocator maps each
+block of ``min_bytes`` or more on its own and keeps it, once freed, for the next request of
+that size. Kept blocks no request took in the last ``max_idle`` large requests are
+unmapped, and the bytes kept free never exceed 1.5 times the peak in use (nor
+``max_kept``). Smaller requests go to the allocator it replaces.
 
-This allocator maps each block of ``min_bytes`` or more on its own (no heap, so no holes)
-and, when it is freed, keeps it for the next request of exactly that size. Since a step
-asks for the same sizes as the last one, steady state is free of both page faults and
-fragmentation. When the sizes change (another batch shape), the sizes no longer asked for
-must not stay mapped: at each request that finds no block of its size, kept blocks that no
-request took in the last ``max_idle`` large requests (many training steps' worth) are
-unmapped, and the bytes kept free never exceed 1.5 times the most bytes ever in use at
-once (nor ``max_kept``): sizes that change every step (unpadded batches) cannot make the
-cache grow past that. Smaller requests go to the allocator it replaces.
-
-Kept blocks are also walked for idle ones on hits and frees (once every ``max_idle / 8``
-large requests), so a size an earlier batch shape asked for goes back to the OS even when
-every later request hits. A ``fork`` taken while another thread allocates cannot leave the
-child's cache locked (``pthread_atfork`` handlers).
-
-It is a small C++ file compiled against torch's c10 on first use (a C++ compiler is
-needed, as for inductor on CPU) and installed with ``c10::SetCPUAllocator``: process-wide,
-for tensors allocated after it, and only when asked for (``host_memory="cache"``). The
-library is built into ``block_cache/`` under the package's cache directory
-(:func:`comera_compile.planner.cache.cache_root`), a directory private to the user (0700,
-owned by them; otherwise it is built in a private temporary directory); the SHA-256 of the
-file is recorded when it is built and checked before it is loaded, and the checked bytes
-are what is loaded (from an anonymous in-memory file), so a library planted or changed on
-disk never runs. With ``COMERA_CACHE_DIR=off`` it is built into a private temporary
-directory for this process and removed. :func:`install` returns False, with one INFO line
-saying why, wherever it cannot be built or loaded (no compiler, no ``setuptools``, a build
-past ``BUILD_TIMEOUT`` seconds, not Linux), and the caller keeps glibc's allocator.
+It is a small C++ file built against c10 on first use and installed with
+``c10::SetCPUAllocator``, only when asked for (``host_memory="cache"``). The library is
+built under the user-private cache directory (``planner.cache.cache_root``; a private
+temporary one otherwise), its SHA-256 recorded when built and checked before loading, and
+the checked bytes are what is loaded (from an anonymous in-memory file), so a library
+changed on disk never runs. :func:`install` returns False, with one INFO line saying why,
+where it cannot be built or loaded.
 """
 
 from __future__ import annotations

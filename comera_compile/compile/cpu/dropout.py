@@ -1,30 +1,16 @@
 """Dropout for CPU graphs: each mask element hashed from its index and a per-call key.
 
-On CPU, aten's dropout draws one float per element (``bernoulli_``) from the serial
-Mersenne Twister, on one core: for the 6.3M attention probabilities of one six-encoder
-layer at batch 32 x 128 that costs more than both of the layer's attention matmuls.
-Here each call draws two 32-bit keys from torch's generator (so ``torch.manual_seed``
-still fixes the masks), and element ``i`` keeps its value when a counter-based hash of
-``(i, keys)`` (two rounds of murmur3's 32-bit finalizer, keyed between them) clears a
-threshold. The hash is integer arithmetic on the element's index, so inductor computes
-it inside the kernel that applies the mask, vectorized and on every core: no random
-buffer is written or read (``python benchmarks/kernels.py``).
+aten's CPU dropout draws one float per element from a serial generator on one core. Here
+each call draws two 32-bit keys (so ``torch.manual_seed`` still fixes the masks) and
+element ``i`` is kept when a counter-based hash of ``(i, keys)`` clears a threshold: integer
+arithmetic inductor fuses into the kernel that applies the mask, with no random buffer.
+The keep probability is ``1 - round(p * 2^24) / 2^24`` and kept values are scaled by
+``1 / (1 - p)``, as aten does.
 
-The keep probability is ``1 - round(p * 2^24) / 2^24`` (within 6e-8 of ``1 - p``); the
-kept values are scaled by ``1 / (1 - p)`` as aten does, so the mask and scale match what
-``native_dropout_backward`` applies. The masks are of course other draws than eager's.
-Arithmetic wraps at 32 bits, as torch's int32 arithmetic does.
-
-The backend rewrites a CPU graph's ``F.dropout`` calls into :func:`hashed_dropout`
-before AOT autograd traces it (:func:`hash_dropouts`), so the traced graph computes the
-hashed mask itself. Dropout reached otherwise (an attention's ``dropout_p``, an in-place
-``F.dropout``) needs :func:`decompositions` handed to AOT autograd, for graphs that still
-may drop out after the rewrite (:func:`may_drop_out`). Only those get a table: a table
-handed in holds an entry inductor's cache cannot hash, so such a graph bypasses the cache
-and compiles from scratch in each new process. AOT autograd's cache does not see
-decomposition tables, so :class:`DropoutTag` (a post-grad pass that changes nothing) puts
-this file's hash into the cache keys: a graph cached with aten's dropout is never served
-for this one, or the other way round.
+:func:`hash_dropouts` rewrites ``F.dropout`` calls before AOT autograd; other dropout
+needs :func:`decompositions` (only for graphs that :func:`may_drop_out`, since such a
+table keeps a graph out of inductor's cache). :class:`DropoutTag` puts this file's hash
+into the cache keys so graphs cached with aten's dropout are never served for this one.
 """
 
 from __future__ import annotations

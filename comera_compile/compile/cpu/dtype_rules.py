@@ -1,18 +1,9 @@
 """Inductor's dtype rules built once per compile, not once per generated op.
 
-Inductor's code generation asks :class:`DtypePropagationOpsHandler` for every op it writes
-(the CSE proxy's ``_default``) and constructs the handler each time. The class is a
-singleton (``__new__`` returns one instance) but Python runs ``__init__`` on every
-construction, and that ``__init__`` rebuilds the whole rule table: a ``functools.partial``
-per op, ``setattr``, then ``dir(self)`` to check that no op lacks a rule. Its share of a
-first compile grows with the ops per kernel: small for plain transformer blocks, largest
-where hashed dropout masks (``compile.cpu.dropout``) put a few dozen integer ops into each
-kernel that applies one (``python benchmarks/pooled_kernels.py`` times first compiles with
-and without it).
-
-:func:`dtype_rules_once` runs the original ``__init__`` only when the rule registries have
-changed since it last ran (they are filled at import; a later registration rebuilds the
-table), so every construction after the first returns the same, complete instance.
+Inductor constructs ``DtypePropagationOpsHandler`` for every op it writes, and its
+``__init__`` rebuilds the whole rule table each time, which costs most where hashed dropout
+masks put many integer ops into a kernel. :func:`dtype_rules_once` runs the original
+``__init__`` only when the rule registries changed since it last ran.
 ``CompileOptions(dtype_rules_once=False)`` turns it off.
 """
 

@@ -1,39 +1,20 @@
 """Opt-in, process-wide: keep freed host memory for reuse, or hand it back to the OS at once.
 
-glibc's ``malloc`` serves every block above a threshold (128 KiB, rising to at most
-32 MiB) with its own ``mmap`` and unmaps it on ``free``. A training step on CPU allocates
-and frees the same large activations every step (a 4096 x 3072 float tensor is 48 MiB),
-so each step maps them anew and pays a page fault per 4 KiB page on first touch.
+glibc serves large blocks with their own ``mmap`` and unmaps them on ``free``, so a CPU
+training step that frees and allocates the same activations pays a page fault per page
+every step. The default, ``host_memory="off"``, changes nothing; the other modes change the
+whole process:
 
-Nothing here runs unless asked for: the backend's default, ``host_memory="off"``, leaves
-torch's CPU allocator and glibc's ``malloc`` settings as they are. The other modes change
-the whole process, every model and tensor in it, not only the model compiled with them:
+- ``"cache"``: blocks of 1 MiB or more are kept by size for the next request of that size
+  (``compile.cpu.block_cache``); smaller ones stay in glibc's heap, as under ``"reuse"``;
+- ``"reuse"``: glibc's mmap and trim thresholds raised to 2 GiB, so freed blocks stay in
+  the heap (which keeps its peak and its holes);
+- ``"release"``: glibc's initial thresholds, adaptive raising off: every freed block of
+  128 KiB or more is unmapped at once.
 
-- ``"cache"``: blocks of 1 MiB or more are mapped one by one and kept, when freed, for the
-  next request of the same size (``compile.cpu.block_cache``, a small C++ allocator built on
-  first use and installed with ``c10::SetCPUAllocator``); smaller blocks stay in glibc's
-  heap, whose thresholds are raised as under ``"reuse"``. No faults in steady state and no
-  heap holes around large blocks; the cost is resident memory up to 1.5x the peak in use
-  kept free for reuse, and a C++ compiler at first use.
-- ``"reuse"``: glibc's mmap and trim thresholds raised to 2 GiB (``mallopt``), so freed
-  blocks stay in the heap and the next step reuses them without faults; but the heap keeps
-  its peak and the holes that blocks of many sizes leave.
-- ``"release"``: glibc's initial thresholds (128 KiB) with its adaptive raising off, so
-  every freed block of 128 KiB or more is unmapped at once: what is resident is what is
-  live, for a page fault per page touched anew.
-
-glibc's own default sits between reuse and release. Where the cache cannot be built (no C++
-compiler), asking for it takes ``"reuse"`` at the default activation budget and
-``"release"`` below it. The first mode set stays: a later compile asking for another one
-warns and leaves it (call :func:`set_host_memory` to change it on purpose, or
-:func:`restore_host_memory` to take the cache out and put glibc's initial thresholds back;
-glibc's adaptive raising of the mmap threshold cannot be switched on again once
-``mallopt`` has set it).
-
-Compiling a graph allocates and frees temporary memory of its own:
-:func:`release_free_heap` hands the free pages back once a graph is compiled, so what is
-kept is the step's blocks rather than the compiler's leftovers. (It is a one-off
-``malloc_trim``: no setting changes.)
+The first mode set stays (:func:`set_host_memory` changes it on purpose,
+:func:`restore_host_memory` undoes it). :func:`release_free_heap` hands back what a compile
+freed, a one-off ``malloc_trim``.
 """
 
 from __future__ import annotations
@@ -87,14 +68,9 @@ def _mallopt():
 
 
 def set_host_memory(mode: str) -> bool:
-    """Process-wide, for every model and tensor: ``"cache"`` keeps freed blocks of 1 MiB
-    or more by size for the next request of that size (no page faults, no heap holes;
-    smaller blocks as under reuse);
-    ``"reuse"`` keeps freed blocks in glibc's heap (no page faults, more resident memory);
-    ``"release"`` unmaps every freed block of 128 KiB or more at once (the least resident
-    memory, a page fault per page touched anew); ``"off"`` does nothing (see
-    :func:`restore_host_memory` to undo a mode). Returns False where it cannot be set: the
-    C library is not glibc, or (``"cache"``) the block cache cannot be built."""
+    """Set the process-wide mode (module docstring) for every model and tensor; ``"off"`` does
+    nothing (:func:`restore_host_memory` undoes a mode). Returns False where it cannot be
+    set: the C library is not glibc, or the block cache of ``"cache"`` cannot be built."""
     if mode not in HOST_MEMORY_MODES:
         raise ValueError(f"host memory mode must be one of {list(HOST_MEMORY_MODES)}, "
                          f"got {mode!r}")

@@ -1,19 +1,10 @@
 """Weight gradients of thin factors, computed in the orientation MKL runs fastest (CPU).
 
-A TT layer's backward multiplies a thin activation's transpose by a wide gradient:
-``dB = h.T @ dy`` with ``h`` of 4096 x 32 and ``dy`` of 4096 x 768. MKL's sgemm runs this
-shape (a few output rows, a long reduction) below the transposed problem ``(dy.T @ h).T``,
-which has the same multiply-adds, when the thin side is 32 to 64 and the reduction is 2048
-rows or more. Below a thin side of 32 the transposed problem is the slow one (at the ranks
-low-rank layers often get), and at 1024 rows the gains vanish; those are left as written
-(``python benchmarks/kernels.py``, matmul section, measures each shape; the numbers:
-docs/cpu-performance.md, "Matmul orientation"). The result is the same up to float
-rounding (another summation order inside the kernel). Float32 only: MKL's dgemm is the
-other way round (the same benchmark's float64 row).
-
-:func:`orient_thin_matmuls` rewrites ``mm(a, b)`` into ``mm(b.T, a.T).T`` where ``a`` is a
-transposed view with at most ``MAX_ROWS`` rows, the reduction is at least ``MIN_DEPTH``
-long and ``b`` is ``MIN_WIDTH`` to ``MAX_WIDTH`` wide; the backend runs it on CPU graphs.
+For ``dB = h.T @ dy`` with a 32 to 64 wide ``h`` and a long reduction, MKL's sgemm runs the
+transposed problem ``(dy.T @ h).T`` faster (docs/cpu-performance.md, "Matmul
+orientation"). :func:`orient_thin_matmuls` rewrites ``mm(a, b)`` into ``mm(b.T, a.T).T``
+where ``a`` is a transposed view of at most ``MAX_ROWS`` rows, the reduction at least
+``MIN_DEPTH`` and ``b`` ``MIN_WIDTH`` to ``MAX_WIDTH`` wide; float32 only.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Build a graph's CPU kernels in one compiler run per worker, not one run per kernel.
 
-Inductor builds every CPU kernel of a graph into its own shared library: one ``g++`` run
-per kernel, and each run first loads the precompiled ATen vector header before any of the
-kernel's own code (docs/cpu-performance.md, "Pooled kernels"). A transformer block's training graph
-has some twenty kernels, so a first compile spends most of its C++ time starting
-compilers. Here the kernels one generated module hands inductor are pooled instead: one
-source per compile worker, each kernel in a namespace of its own, one Python binding per
-kernel, so the header loads once per worker (``python benchmarks/compiled.py`` prints the
-first compile's time; ``benchmarks/results/pooled_kernels.md`` measures both ways).
-
-Everything else stays inductor's: its on-disk cache (keyed by the pooled source), its
-worker pool and its compile flags. Should a pooled build fail, each kernel is built alone,
-as inductor would have; ``CompileOptions(pooled_kernels=False)`` turns pooling off.
+Inductor builds every CPU kernel into its own shared library, and each ``g++`` run first
+loads the precompiled ATen header, so a first compile spends most of its C++ time starting
+compilers (docs/cpu-performance.md, "Pooled kernels"). Here one generated module's kernels
+are pooled into one source per compile worker, each in its own namespace with its own
+binding. Inductor's cache, worker pool and flags stay as they are; a failed pooled build
+falls back to one kernel at a time. ``CompileOptions(pooled_kernels=False)`` turns it off.
 """
 
 from __future__ import annotations

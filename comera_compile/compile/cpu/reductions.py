@@ -1,14 +1,9 @@
 """Sums over the rows of a large activation, split into blocks of rows (CPU graphs).
 
-Backward sums the gradient over its rows for every bias and LayerNorm weight:
-``sum(g, [0])`` over a 4096 x 3072 gradient. Inductor's CPU loop for it walks each group
-of 8 columns down all 4096 rows, one row (a 12 KiB stride, a new page) per load, and
-runs well behind aten (``python benchmarks/kernels.py`` measures both). Summing blocks of 64
-rows first, then the 64 partial rows, keeps each walk within a few hundred KiB, as fast
-as aten, and still fuses with the kernel that produced the gradient.
-
-:class:`SplitRowSums` is the post-grad pass the backend gives inductor for CPU graphs. The
-result differs from the one-pass sum only by float rounding (another summation order).
+Inductor's CPU loop for a bias or LayerNorm gradient's ``sum(g, [0])`` walks each group of
+columns down every row, a new page per load, well behind aten. :class:`SplitRowSums`, a
+post-grad pass, sums blocks of rows first and then the partial rows: as fast as aten, and
+still fused with the kernel that made the gradient.
 """
 
 from __future__ import annotations

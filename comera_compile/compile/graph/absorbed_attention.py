@@ -1,42 +1,21 @@
 """Attention through the rank bonds: Q, K, V and O projections that are TT, low-rank or
 CoLA layers never expand to the model width.
 
-A TT linear whose input cores come before its output cores is ``W = L @ R``: ``L`` merges
-the input cores (``N_in x r``), ``R`` the output cores (``r x N_out``), ``r`` the middle bond.
-A CoLA layer ``silu(x L) diag(g) R`` is linear in ``R`` after its bond activation
-``t = silu(x L) diag(g)``, and linear in ``L`` before it. So when the four projections of a
-scaled-dot-product attention are such layers, the attention can be computed on their
-``r``-wide bond activations (``t = x @ L`` for TT), as multi-head latent attention absorbs its
-up-projections:
+A TT linear is ``W = L @ R`` with ``r`` its middle bond; CoLA is linear in ``R`` after its
+bond activation. So attention can run on the ``r``-wide bond activations ``t``, as
+multi-head latent attention absorbs its up-projections:
 
-* scores: ``Q_h K_h^T = (t_q M_h + c_h) t_k^T`` with ``M_h = s R_q,h R_k,h^T`` (``r x r``)
-  and ``c_h = s R_k,h b_q,h``. The key bias adds a constant to each query's row of scores,
-  which the softmax cancels exactly, so it is left out (its gradient is exactly zero, as in
-  the standard form, up to rounding);
+* scores: ``Q_h K_h^T = (t_q M_h + c_h) t_k^T`` with ``M_h = s R_q,h R_k,h^T`` and
+  ``c_h = s R_k,h b_q,h``; the key bias shifts each row of scores, which softmax cancels;
 * values and output: ``concat_h(P_h V_h) L_o = sum_h P_h (t_v N_h) + (P_h 1)(b_v,h L_o,h)``
-  with ``N_h = R_v,h L_o,h`` (``r x r``), then the O layer goes on from its bond as before
-  (``@ R_o`` for TT; CoLA's silu, gate and ``@ R_o``).
+  with ``N_h = R_v,h L_o,h``, then the O layer goes on from its bond.
 
-Both run as one call of torch's ``scaled_dot_product_attention`` on ``r``-wide heads
-(queries ``t_q M_h + c_h``, keys ``t_k`` shared by every head, values ``t_v N_h`` plus the
-value bias term, since each query's weights sum to one; scale 1), so torch picks the kernel
-and a flash kernel that takes the shapes never makes the score matrix. Each head's score
-matmul then contracts ``r`` instead of the head width ``d``, and its value matmul produces
-``r`` columns instead of ``d``; the model-wide Q, K, V tensors and their head layout copies
-are never made: what is removed is their arithmetic and memory traffic. The
-rewrite is applied only where it costs less (``r_k < d`` and ``r_o < d_v``); the values
-equal the standard form's up to float rounding. It runs on the dynamo graph, before AOT
-autograd, so backward follows by autograd.
-
-Matched: ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)``
-where ``q``, ``k``, ``v`` are ``layer(x).view(b, t, h, d).transpose(1, 2)`` (a TT layer's
-reshape / bias add / reshape, or a plain layer's last product ``t @ R`` and bias add,
-nothing else in between), or shares of one fused layer's output (``.split`` / ``.chunk``
-before the head view, or ``.reshape(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)``),
-and the output goes ``.transpose(1, 2).reshape(b, t, h * d)``
-straight into a layer of the same kind; every intermediate tensor used nowhere else.
-Anything else (grouped-query attention, rotary embeddings between projection and
-attention, a TTM layer, TT and plain layers mixed) is left as it is.
+Both run as one ``scaled_dot_product_attention`` on ``r``-wide heads, so the model-wide Q,
+K, V and their head copies are never made. Applied on the dynamo graph (backward follows
+by autograd) only where it is cheaper (``r_k < d`` and ``r_o < d_v``). Matched: ``q``, ``k``,
+``v`` as ``layer(x).view(b, t, h, d).transpose(1, 2)`` or shares of one fused layer's output,
+and the output ``.transpose(1, 2).reshape(b, t, h * d)`` straight into a layer of the same
+kind; anything else (grouped queries, rotary embeddings, TTM, mixed kinds) is left alone.
 """
 from __future__ import annotations
 

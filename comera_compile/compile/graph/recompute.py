@@ -1,43 +1,16 @@
 """What a low activation budget recomputes in backward, and what it must keep.
 
-**Thin products are recomputed** (:func:`recompute_thin_products`). A TT layer's forward
-ends in a matmul over a rank bond (``t @ B``, ``t`` is ``rows x r`` with ``r`` about 30):
-its output is as large as a dense layer's, but remaking it from the small ``t`` costs
-``2 r`` flops per element, about what reading it back from memory costs on a CPU. So the
-outputs of matmuls that contract at most :data:`THIN` indices, and the pointwise ops
-computed from them alone (bias, GELU, a dropout with its saved mask), are marked
-``MUST_RECOMPUTE``; the min-cut then keeps the small ``t`` instead. Only outputs of at
-least :data:`WIDE` bytes: a smaller one saves little and still costs its kernels (``python
-benchmarks/step.py --batches 1`` measures the low-memory step against the default one).
-AOT autograd's own budget knapsack prices ops by flops and treats every fusible op as
-free to recompute, so at low budgets it recomputes whole layers (attention and layer
-norms included): less memory kept for backward, for markedly more step time on a CPU
-(``python benchmarks/saved.py`` prints what each budget keeps, ``benchmarks/step.py``
-the step time). This marking keeps the cheap part of that.
-
-**Random values are kept.**
-
-With an activation memory budget below 1 (``memory="low"``), AOT autograd's min-cut
-partitioner may lift its own ban on recomputing random ops (dropout) to meet the budget.
-On CPU nothing replays the random stream, so the backward would draw a *new* dropout mask
-and compute gradients of a forward that never ran. Marking the random values ``MUST_SAVE``
-in the joint graph, before partitioning, keeps each dropout's randomness and lets the
-budget recompute everything around it. The CPU dropout of ``compile.cpu.dropout`` draws only
-two keys per call and hashes the mask from them, so its keys are kept and its mask is
-recomputed in backward (no mask is stored; the backend marks this at every budget on
-CPU). A mask drawn per element is kept instead, as bits (:func:`pack_saved_masks`: one
-byte per eight elements, not one per element). ``python benchmarks/saved.py`` prints what
-each setting keeps on the six-encoder at batch 32 x 128.
-
-**Comparison masks are remade in backward, on CPU** (:func:`recompute_masks`). A ReLU's
-backward reads ``out <= 0``; the min-cut keeps that boolean (one byte an element) rather
-than the float it came from. Inductor's CPU kernels write a boolean buffer far slower
-than aten does and read it back slowly too (docs/cpu-performance.md, "Comparison masks").
-So such masks are marked ``MUST_RECOMPUTE``:
-no boolean is stored and backward compares inside its own fused kernel. At the default
-memory setting this may keep the float the mask came from instead (4 bytes an element, not
-1); with ``memory="low"`` a mask is remade only when every float it reads is read by
-backward anyway, so nothing more is kept.
+- Thin products are recomputed (:func:`recompute_thin_products`): a TT layer's last matmul
+  over a rank bond makes an output as large as a dense layer's from a ``rows x r`` input,
+  and remaking it costs about what reading it back does on a CPU. Outputs of at least
+  :data:`WIDE` bytes of matmuls that contract at most :data:`THIN` indices, and pointwise
+  ops computed from them alone, are marked ``MUST_RECOMPUTE``; AOT autograd's own flop
+  knapsack would recompute whole layers instead.
+- Random values are kept (:func:`save_random_values`): nothing replays the random stream
+  on CPU, so a recomputed dropout would draw a new mask. Hashed CPU masks keep their keys
+  and are remade; a per-element mask is kept as bits (:func:`pack_saved_masks`).
+- Comparison masks are remade in backward on CPU (:func:`recompute_masks`): inductor's CPU
+  kernels write and read boolean buffers slowly (docs/cpu-performance.md).
 """
 
 from __future__ import annotations
@@ -165,18 +138,11 @@ def is_random(node: fx.Node) -> bool:
 
 
 def save_random_values(graph: fx.Graph) -> int:
-    """Mark a joint graph's random values; returns how many were marked saved.
-
-    A random value is a random node, or a node computed from random draws and fixed values
-    alone. Two cases:
-
-    * drawn from **keys** (a random node under :data:`SMALL` bytes, such as the two keys
-      per call that ``compile.cpu.dropout`` hashes each element's index with): the keys are
-      saved and everything computed from them (the mask) is marked recomputed, so no mask
-      is stored at all and backward rehashes it inside its own kernel;
-    * drawn **per element** (aten's ``bernoulli``, ``rand``): each such value that
-      something else reads is saved, i.e. the mask rather than the draws it came from,
-      the smallest form (then kept as bits by :func:`pack_saved_masks`)."""
+    """Mark a joint graph's random values (random nodes, and nodes computed from them and fixed
+    values alone); returns how many were marked saved. Values drawn from keys (random nodes
+    under :data:`SMALL` bytes, as ``compile.cpu.dropout`` draws) keep their keys and are
+    recomputed; values drawn per element are saved where something else reads them (then
+    kept as bits by :func:`pack_saved_masks`)."""
     fixed: set[fx.Node] = set()  # computed from no graph input: constants, an arange
     derived: set[fx.Node] = set()  # computed from random draws and fixed values only
     keyed: set[fx.Node] = set()  # ... from small random draws (keys) and fixed values only
@@ -217,13 +183,9 @@ def _packable(node: fx.Node) -> bool:
 
 
 def pack_saved_masks(graph: fx.Graph) -> int:
-    """Keep each saved boolean mask of a joint graph as bits; returns how many.
-
-    ``mask`` becomes ``packed = sum(mask_bytes << [0..7])`` (marked saved) and
-    ``unpacked = (packed >> [0..7]) & 1`` (marked recomputed), which every former reader of
-    ``mask`` reads instead: the forward and backward each unpack in their own fused kernel,
-    and only the packed bytes live from one to the other. Masks of symbolic shape stay bytes.
-    """
+    """Keep each saved boolean mask of a joint graph as bits; returns how many. ``mask``
+    becomes a packed byte per eight elements (saved) and an unpacking (recomputed) its
+    readers read instead. Masks of symbolic shape stay bytes."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     count = 0
     for mask in [n for n in graph.nodes if _packable(n)]:

@@ -1,29 +1,12 @@
 """Thin products that read the same activation, computed as one (compiled graphs).
 
-A transformer block multiplies one activation by several thin factors: CoLA's Q, K and
-V layers each start with ``x @ U`` (ranks of 20-100 against widths of 384-1024), and so do
-the MLP's gate and up projections. MKL runs a product with a narrow right-hand side well
-below its peak, and in backward each adds its own input-gradient product and a sum of
-those. Concatenated, ``x @ [U_q | U_k | U_v]`` is one wider product: forward one matmul,
-backward one input-gradient product (no sum) and one weight-gradient product, and the
-outputs are column slices that the pointwise ops after them (silu, the gate) read in
-place. The concatenation copies the factors, not the activations (``python
-benchmarks/kernels.py``, sibling products section, times both forms; ``python
-benchmarks/compiled.py`` the steps).
-
-:func:`fuse_sibling_matmuls` rewrites a dynamo graph before AOT autograd, so the fused
-backward comes from differentiating the fused forward. It joins ``a @ b_1``, ..., ``a @
-b_n`` (the same ``a``; each ``b_i`` 2-D, at most ``MAX_WIDTH`` columns, computed from the
-graph's inputs by views, casts, rank gates and bond padding only: a weight, not an
-activation) into ``a @ cat(b_i)``
-split back by columns. The sum is the same up to float rounding (another blocking inside
-the kernel).
-
-Low-rank layers reach the graph as one planned contraction each (``comera::tt_contract``,
-kind ``"lowrank"``: ``x @ U @ V``). Where two or more read the same activation (through
-their own reshapes of it) and the plan would multiply ``x`` by ``U`` first anyway (rows
-times rank below the dense weight's cost, as in every training step), they are written out
-as ``x @ U_i`` then ``@ V_i`` and their first products joined the same way.
+CoLA's Q, K, V layers and an MLP's gate and up projections each start with ``x @ U`` for
+a narrow ``U``, which MKL runs well below its peak, and whose backwards each add an
+input-gradient product. :func:`fuse_sibling_matmuls` rewrites the dynamo graph (before AOT
+autograd, so backward follows) to ``x @ cat(U_i)`` split back by columns, for factors of at
+most ``MAX_WIDTH`` columns computed from graph inputs alone. Low-rank planned contractions
+that read the same activation and would multiply by ``U`` first are written out and joined
+the same way.
 """
 
 from __future__ import annotations

@@ -1,38 +1,16 @@
 """Compile a model's repeated blocks, one graph for all blocks of the same shapes.
 
-A transformer is a stack of blocks of one class. Compiled as one graph, every block is
-traced, differentiated, lowered and code-generated again (inductor reuses kernels whose
-source is identical, not the work that produced them), so a first compile grows with the
-depth. A block compiled on its own is traced once: dynamo lifts the block's parameters to
-graph inputs, so the graph the first block compiled serves every other block whose
-parameters have the same shapes, and the first compile costs about one block's, whatever
-the depth (``python benchmarks/compile_scope.py``).
+Compiled as one graph, every block of a stack is traced and lowered again, so a first
+compile grows with the depth; a block compiled on its own serves every block whose
+parameters have its shapes, at about one block's compile. Nothing is fused across blocks,
+so steps run a few percent slower: by default only shapes that ``MIN_SHARED`` blocks or
+more share are compiled (``shared_blocks``), and rarer blocks run eager. A Hugging Face
+decoder is called with ``use_cache=False`` in training (a per-layer cache guard made each
+block a graph of its own), and a block call that carries a key-value cache runs eager.
 
-What runs outside the blocks (embeddings, the head, the loss) stays eager and nothing is
-fused across two blocks, so the step runs a few percent slower than the whole model's
-graph. Blocks whose ranks differ (``optimize`` gives each layer its own under a budget;
-pruning cuts them apart) share a graph where ranks are symbolic (``compile.policy.rank_dims``),
-and need one each where they are static. So by default only blocks whose shapes
-``MIN_SHARED`` blocks or more share are compiled (``shared_blocks``): there the saving is
-large enough that the slower step takes thousands of steps to give it back (``python
-benchmarks/compile_scope.py`` measures both forms from empty caches, their steps side by
-side). A block of rarer shapes (a budget that left one layer of the first block dense)
-runs eager: a graph of its own would cost a whole first compile for one block's gain.
-A block graph guarded on per-layer state is compiled again for each block, mostly from
-inductor's cache. Hugging Face decoders are the common case: they build a key-value cache
-in training too unless ``use_cache=False``, indexed by each layer's number, so in a
-training call (grad enabled) a model whose config asks for the cache is called with
-``use_cache=False``, as Hugging Face's own gradient checkpointing does: a cache built in
-training is never read, and it made each block a graph of its own. A block call that
-carries a key-value cache (an evaluation or generation call of such a decoder: the caller
-may read the cache, so it is kept) runs eager: each layer updates its own slot, and the
-graph's guards on that state made each block a graph of its own (four compiles for a
-4-layer LLaMA's first evaluation), and generation one more per length.
-
-Blocks are the members of the model's stacks: an ``nn.ModuleList`` or ``nn.Sequential``
-of at least two modules of one class that hold a tensorized layer (a stack without one
-gains nothing from our backend), outermost first. Where the model has none, the caller
-compiles the whole model.
+Blocks are the members of an ``nn.ModuleList`` or ``nn.Sequential`` of at least two
+modules of one class that hold a tensorized layer, outermost first. Where the model has
+none, the caller compiles the whole model.
 """
 
 from __future__ import annotations

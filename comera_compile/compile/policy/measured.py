@@ -1,37 +1,12 @@
 """Keep the compiled forward only where it pays: a few calls timed both ways.
 
-Whether inductor beats eager depends on the model, the batch and the machine (on a CPU a
-compiled step without dropout can be slower than eager), and no rule known before running
-says which. So ``optimize(compile=True)`` installs :class:`MeasuredCompile` as the model's
-compiled call. It times whole steps, from one call to the next of the same kind (for
-training: forward, loss, backward, optimizer step and whatever else the loop does),
-compiled and eager in turn, then keeps the compiled form for the rest of the run where
-it is clearly faster (``KEEP``), else eager. Training calls
-(``model.training`` with grad enabled) and other calls (evaluation, inference) are raced
-apart, since they compile to different graphs. The choices and the measured ratios are
-in ``summary(model)``.
-
-A run's length does not come with its calls, and a first compile costs more than many
-short runs take in all, for steps only somewhat faster. So calls
-of unknown horizon run eager first, by the ski-rental rule: the race starts once eager
-calls of that kind have taken ``WAIT_S``, the time over which a compiled step at the best
-speedup seen (``MAX_SPEEDUP``) would have saved what the cheapest first compile costs
-(``MIN_COMPILE_S``). A run shorter than that never compiles, so it is never slower than
-eager; a longer one loses at most ``WAIT_S * (1 - 1 / speedup)`` to the wait. A training
-period runs from one training call to the next (an evaluation in between voids it); an
-inference call counts its own duration. ``compile="always"`` skips both wait and race.
-
-When the run will change the graph's shapes soon (a rank-adaptive trainer of known length
-cuts ranks once its early stage ends, :meth:`MeasuredCompile.shapes_change_after`), a
-first compile may not pay before its graph is thrown away. So eager steps are timed
-first, and the model compiles only if
-the most a compiled step could save (``1 - 1 / MAX_SPEEDUP`` of the eager step) over the
-steps before that change covers ``MIN_COMPILE_S``; otherwise it stays eager and says why.
-On CPU one of those eager steps is profiled (``compile.policy.step_bound``), and the estimate is
-then what a compile is expected to save, not the most it could: the share of the bound's
-removable time compiled steps have removed (``REALIZED``), of the blocks that compile,
-against a typical first compile (``FIRST_COMPILE_S``). A run that is expected to lose time
-to its compile stays eager. The constants' calibration: docs/cpu-performance.md.
+Whether inductor beats eager depends on the model, the batch and the machine, and no rule
+known before running says which. So :class:`MeasuredCompile` times whole steps compiled
+and eager in turn and keeps the compiled form only where it is clearly faster (``KEEP``);
+training and other calls are raced apart. A first compile costs more than short runs take
+in all, so calls run eager until they have taken ``WAIT_S`` (ski rental), and a run whose
+shapes change soon compiles only if the gain can pay by then. The rules and their
+calibration: docs/compile.md and docs/cpu-performance.md.
 """
 
 from __future__ import annotations
@@ -56,16 +31,13 @@ COMPILED, EAGER = "compiled", "eager"
 TRAINING, INFERENCE = "training", "inference"
 
 MARGIN = 1.05
-"""The least a compiled step must gain: a profiled bound under it never compiles, and on
-CUDA a raced step is kept from it (``KEEP``). A recompile (a new batch-size region, a
-pruned rank) costs seconds, so a gain within timing noise is not worth it."""
+"""The least a compiled step must gain: a recompile costs seconds, so a gain within timing
+noise is not worth it (a profiled bound under it never compiles)."""
 
 KEEP = {"cpu": 1.3, "cuda": MARGIN}  # calibration: docs/cpu-performance.md
-"""How much faster the raced compiled step must be for the run to keep it. On CPU a race's
-ratio comes out above the steady one, every later recompile (a new batch-size region, an
-evaluation shape) is costly, and a user reading "compiled" in the summary expects a clear
-gain: below ``KEEP`` the run stays eager and ``summary`` says what the race measured. On
-CUDA recompiles are cheap: ``MARGIN``."""
+"""How much faster the raced compiled step must be for the run to keep it: on CPU a race's
+ratio comes out above the steady one and later recompiles are costly; on CUDA they are
+cheap."""
 
 CLOSE, CLOSE_TRIALS = 0.1, 4  # calibration: docs/cpu-performance.md
 """A race whose ratio lands within ``CLOSE`` of ``KEEP`` times ``CLOSE_TRIALS`` more calls of
@@ -75,20 +47,17 @@ MAX_SPEEDUP = {"cpu": 1.5, "cuda": 4.0}  # calibration: docs/cpu-performance.md
 """The most a compiled training step has gained over eager, with room."""
 
 MIN_COMPILE_S = 15.0  # calibration: docs/cpu-performance.md
-"""What a training graph's first compile costs at the least: about half the fastest measured
-from an empty cache, leaving room for faster machines. Gains under this cannot pay for
-compiling."""
+"""What a training graph's first compile costs at the least (about half the fastest
+measured, for faster machines): gains under this cannot pay for compiling."""
 
 REALIZED = 0.3  # calibration: docs/cpu-performance.md
 """The share of a profiled step's removable time (``compile.policy.step_bound``) a compiled
-CPU step is expected to remove (inductor's kernels take time too). Taken from the low end
-of what was measured: a compile that does not pay leaves the run slower than eager, one not
-made leaves it as fast."""
+CPU step is expected to remove: the low end of what was measured, since a compile that
+does not pay leaves the run slower than eager."""
 
 FIRST_COMPILE_S = 30.0  # calibration: docs/cpu-performance.md
-"""What a first compile of a training graph is expected to cost on CPU (``python
-benchmarks/pooled_kernels.py`` measures it). Used with a profiled bound, where the estimate
-is what compiling is expected to save, not the most it could."""
+"""What a first compile of a training graph is expected to cost on CPU, set against what
+compiling is expected to save where a profiled bound is known."""
 
 
 def expected_speedup(bound: float, compiled_share: float = 1.0) -> float:
@@ -106,8 +75,7 @@ def wait_for(best: float) -> float:
 
 WAIT_S = {device: wait_for(best) for device, best in MAX_SPEEDUP.items()}
 """Eager seconds of calls (training and inference apart) before a run of unknown length
-starts racing, where no profiled bound is known. Set
-``MeasuredCompile.wait_s`` to fix it for one model."""
+starts racing, where no profiled bound is known (``MeasuredCompile.wait_s`` sets one)."""
 
 WARMUP = {COMPILED: 2, EAGER: 1}
 """Untimed calls per mode: the first compiled call compiles (for training: its forward,
@@ -268,12 +236,10 @@ class MeasuredCompile:
 
     @property
     def compiled_form(self) -> Callable[..., Any]:
-        """What compiled calls run, fixed at the first. Ranks are symbolic if asked, or by
-        default where the run will cut ranks (``expect_cuts``, ``shapes_change_after``):
-        symbolic graphs run a little slower, and survive every cut. Then the model's blocks
-        where they pay (``blocks.why_not_blocks``: ranks apart where symbolic) and, at static
-        ranks, the run does not cut (cut blocks would differ, each a graph of its own, while
-        the whole model recompiles once per cut); else the whole model."""
+        """What compiled calls run, fixed at the first: ranks symbolic if asked or where the run
+        will cut ranks; the model's blocks where they pay (``blocks.why_not_blocks``) unless, at
+        static ranks, the run cuts (each cut block would be a graph of its own); else the whole
+        model."""
         if self._form is None:
             cuts = self.cuts_expected or self.calls_before_change is not None
             symbolic = cuts if self.symbolic_ranks is None else self.symbolic_ranks
@@ -334,11 +300,10 @@ class MeasuredCompile:
         return out
 
     def _eager_training_call(self, start: float) -> None:
-        """An eager training call starts at ``start``, ending the period of the one before.
-        Two periods give the bound (``compile.policy.step_bound``): a profiled one, the time that
-        compiled code keeps; the step's time is the shorter of it and the next, unprofiled,
-        one (the profiler adds its own time to every op it records, and reading its results
-        takes a while; other work on the machine adds to either)."""
+        """An eager training call starts at ``start``, ending the period of the one before. A
+        profiled period gives the time compiled code keeps, the next unprofiled one the step's
+        time (the profiler slows what it records): together, the bound
+        (``compile.policy.step_bound``)."""
         if self._training_start is not None:
             period = start - self._training_start
             if self._profile is not None:

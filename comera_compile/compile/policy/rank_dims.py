@@ -1,23 +1,12 @@
 """Rank dimensions symbolic in compiled graphs: one graph serves every rank a layer takes.
 
-Dynamo specialises a graph to its parameters' shapes, so each rank cut (``prune_ranks``)
-compiled the training graph again (a first compile's cost, each cut),
-and blocks whose layers ``optimize`` gave different ranks needed a graph each. A TT
-chain's bonds are the only dimensions a cut changes, and no kernel needs their value: the
-planned contraction (``planner.ops``) reads them only to pick its program, through their
-hints, without a guard. So the bonds of the planned linear layers (``TTLinear``,
-``TTMLinear``, ``LowRankLinear``) are marked dynamic, and the compiled call traces with
-parameters' marked dims allowed to be symbolic: one graph then serves all ranks, before
-and after every cut (``tests/test_compile_blocks.py``, ``tests/test_compile_cuda.py``).
-Symbolic kernels run slower (``benchmarks/results/compiled_cuda_symbolic.md`` against
-``compiled_cuda.md``), so by default only runs that cut ranks use them
-(``MeasuredCompile.compiled_form``).
-
-A bond of size 1 (a rank cut to one channel) is specialised by dynamo, as every size-1
-dim is: reaching it compiles once more. The CPU's bond padding (``planner.alignment``) is
-left out on symbolic bonds (its size would be a guard). Embedding tables keep static
-ranks: their lookup programs reshape by rank; a cut of one recompiles the graph holding it
-(outside the blocks, where blocks are compiled, it runs eager).
+Dynamo specialises a graph to its parameters' shapes, so each rank cut recompiled and
+blocks of different ranks needed a graph each. The planned contraction reads bond sizes
+only through hints, without a guard, so the bonds of ``TTLinear``, ``TTMLinear`` and
+``LowRankLinear`` are marked dynamic. Symbolic kernels run slower, so by default only runs
+that cut ranks use them (``MeasuredCompile.compiled_form``). A bond of size 1 is still
+specialised, bond padding is left out on symbolic bonds, and embedding tables keep static
+ranks (their lookups reshape by rank).
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """The most a compiled training step can gain over eager on CPU, read from one eager step.
 
-Compiled code on CPU calls the same kernels eager does for matrix products, attention and
-convolutions (inductor runs them as extern kernels), and the optimizer step runs outside
-the compiled graph either way. Activations that evaluate a transcendental function per
-element (GELU's erf, SiLU's and tanh's exponentials) are bound by that arithmetic, not by
-memory: a fused kernel computes the same values in about the same time (measured in
-docs/cpu-performance.md, "Step bound"), so their time counts as kept too, less a launch's
-overhead per call, which fusing does remove. Compiling can remove only the rest: memory-bound
-elementwise and reduction kernels (fused), Python and autograd overhead. So over one eager
-training step profiled with torch's profiler,
+Compiled CPU code calls the same kernels as eager for matrix products, attention and
+convolutions, the optimizer runs outside the graph, and transcendental activations are
+bound by their arithmetic (docs/cpu-performance.md, "Step bound"). Compiling removes only
+the rest, so over one profiled eager step
 
-    bound = step time / (time in those kernels + time in the optimizer),
+    bound = step time / (time in those kernels + time in the optimizer)
 
-is the speedup a compiled step would reach if the rest took no time at all: no compiled
-step of the same kernels beats it. (An attention computed through its rank bonds,
-``compile.graph.absorbed_attention``, runs no attention kernel at all: there the compiled step
-can beat the bound, which then errs on the side of staying eager.)
-
-:class:`StepProfile` profiles a step from its forward call until the optimizer's step
-ends, so the profiler does not run on past the step; the rest of the step's period (the
-loop's own work) counts as kept.
-:class:`~comera_compile.compile.policy.measured.MeasuredCompile` profiles one eager step (of its
-wait, or of a known run's first steps), divides the next, unprofiled, step's time by the
-kept time (the profiler adds its own time to every op it records), and neither
-compiles a model whose bound is under the margin it asks of a compiled step, nor waits or
-compiles as if its steps could gain more than the bound allows.
+is the speedup a compiled step would reach if the rest took no time.
+:class:`StepProfile` profiles from the forward call to the end of the optimizer step.
 """
 
 from __future__ import annotations
