@@ -632,6 +632,8 @@ def race(args) -> None:
     if ran:
         held = ", each holding the benchmark lock" if args.lock else ""
         setup += f" Rows ran from {ran[0]} to {ran[-1]}{held}."
+    if args.note:
+        setup += f" {args.note}"
     if args.report_only:
         setup += (" This report reads the rows from the raw curves file; each row ran earlier, "
                   "in a process of its own, by this script with --rows and --resume.")
@@ -753,6 +755,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="results/NAME.md and .json (default frontier, --gpu frontier_cuda)")
     p.add_argument("--json", default=None, help="raw curves file (default results/NAME.json)")
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"))
+    p.add_argument("--note", default="", help="a sentence the report's setup line ends with "
+                   "(how the rows ran, where that matters to their clock)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--verbose", action="store_true")

@@ -15,7 +15,7 @@ NARROW_DENSE_WINS = True
 rows reached a lower held-out loss than the best dense model at equal wall clock (a test
 reads ``benchmarks/results/frontier.md`` to keep the two in step)."""
 
-BEAT_DENSE = frozenset({"btt"})
+BEAT_DENSE = frozenset({"btt", "monarch"})
 """Formats with a frontier row that ended below the best dense model at its end time (kept in
 step with ``benchmarks/results/frontier.md`` by the same test)."""
 
