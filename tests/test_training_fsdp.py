@@ -43,7 +43,10 @@ def _built():
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
     )
-    return cc.optimize(transformers.LlamaForCausalLM(config), budget=0.6, compile=False)
+    # the head named, so compressed too (not held dense): tests prune the root group's lm_head
+    compression = cc.CompressionConfig(budget=0.6, compile=False,
+                                       layer_config={"lm_head": {"format": "cola"}})
+    return cc.optimize(transformers.LlamaForCausalLM(config), compression)
 
 
 def small_llama():
