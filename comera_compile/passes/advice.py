@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-NARROW_DENSE_WINS = True
+NARROW_DENSE_WINS = False
 """The frontier's verdict on the from-scratch default format (CoLA): True when none of its
 rows reached a lower held-out loss than the best dense model at equal wall clock (a test
 reads ``benchmarks/results/frontier.md`` to keep the two in step)."""
