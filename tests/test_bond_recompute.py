@@ -474,3 +474,22 @@ def test_kept_bytes_counts_a_batch_whose_inputs_do_not_all_lead_with_it():
     assert kept > 0 and model.training  # counted; the mode is as it was
     model.eval()
     assert kept_bytes(model, (x, mask)) == kept and not model.training
+
+
+def test_kept_bytes_leaves_no_graph_behind():
+    """The count runs a forward with grad on and no backward: none of its activations may
+    outlive it (a saved output packed as itself would keep the whole graph alive through a
+    cycle the collector cannot see)."""
+    import gc
+    import weakref
+
+    from comera_compile.compile.bond_recompute import kept_bytes
+
+    model = cc.optimize(_tiny_llama(), budget=0.25, compile=False)
+    outputs: list[weakref.ref] = []
+    for block in model.model.layers:
+        block.post_attention_layernorm.register_forward_hook(
+            lambda m, a, out: outputs.append(weakref.ref(out)))
+    assert kept_bytes(model, (torch.zeros(2, 16, dtype=torch.long),)) > 0
+    gc.collect()
+    assert len(outputs) == 2 and all(ref() is None for ref in outputs)

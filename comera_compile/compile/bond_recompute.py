@@ -167,11 +167,13 @@ def kept_bytes(model: nn.Module, example_inputs: Any) -> int:
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        # Detached: a saved output packed as itself would tie the graph into a cycle through
+        # C++ that Python's collector never frees, as no backward runs here to break it.
         if t.layout == torch.strided and t.device.type != "meta":
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:
                 storages[ptr] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()
 
     def forward(args: tuple, kwargs: dict) -> None:
         with torch.random.fork_rng(), torch.enable_grad(), \
