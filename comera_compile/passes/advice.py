@@ -1,10 +1,4 @@
-"""Advice for models trained from scratch: when a narrower dense model is the better buy.
-
-Where no compressed model of the pretraining frontier (``benchmarks/results/frontier.md``)
-beat every dense width at equal wall clock, ``summary`` suggests, for a from-scratch model,
-the dense model of the same parameters: the same depth at about the square root of the
-kept share of the width.
-"""
+"""Advice for models trained from scratch: when a narrower dense model is the better buy."""
 
 from __future__ import annotations
 
