@@ -45,7 +45,8 @@ class PlannedLinearMixin(LinearShape, PlannedLayer):
     def from_dense(cls, module: nn.Linear, ranks: int | Sequence[int] | None = None,
                    tolerance: float | None = None, gram: Tensor | None = None, **kwargs):
         """The layer's decomposition of a Linear's weight (TT-SVD or TTM-SVD), truncated to
-        ``ranks`` and/or the relative error ``tolerance`` (exact when neither is given)."""
+        ``ranks`` and/or the relative error ``tolerance`` (exact when neither is given).
+        ``gram``, the inputs' ``X^T X``, truncates the output error instead (``formats.whiten``)."""
         layer = cls(module.in_features, module.out_features, ranks=1, bias=module.bias is not None,
                     device=module.weight.device, dtype=module.weight.dtype, **kwargs)
         weight = module.weight.detach()

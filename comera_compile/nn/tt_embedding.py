@@ -330,7 +330,8 @@ class TTEmbedding(TensorizedLayer):
     def from_dense(cls, module: nn.Embedding | nn.EmbeddingBag,
                    ranks: int | Sequence[int] | None = None, tolerance: float | None = None,
                    row_frequencies: Tensor | None = None, **kwargs) -> TTEmbedding:
-        """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``)."""
+        """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``);
+        ``row_frequencies`` keeps what lookups at those frequencies see (``formats.whiten``)."""
         layer = cls(module.num_embeddings, module.embedding_dim, ranks=1,
                     device=module.weight.device, dtype=module.weight.dtype,
                     **{**dense_options(module), **kwargs})

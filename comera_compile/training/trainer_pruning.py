@@ -19,7 +19,7 @@ from comera_compile.training.pruning import (
 )
 
 
-def is_sharded(model: nn.Module) -> bool:
+def _is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 sharded (part of) ``model``; never imports FSDP where it is absent."""
     if not torch.distributed.is_available():
         return False
@@ -45,7 +45,7 @@ class PruneControl:
         ``training.shard`` is gathered, pruned and sharded again group by group."""
         self.collective.check_same(self.bank)
         model = unwrap(self.model)
-        if is_sharded(model):
+        if _is_sharded(model):
             from comera_compile.training.sharded import prune_sharded
 
             self.last_pruned = prune_sharded(model, self.optimizer)
