@@ -26,7 +26,9 @@ KEEP_ALL = 2**31 - 1  # mallopt takes an int: blocks up to 2 GiB come from the h
 HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
 """``"off"`` (the default) changes nothing; the others are process-wide (module docstring)."""
 
-_state: dict = {"mode": None}  # what set_host_memory set last (None: nothing was changed)
+# mode: what set_host_memory set last (None: nothing was ever changed);
+# mallopt_calls: how many times this process called mallopt through this module
+_state: dict = {"mode": None, "mallopt_calls": 0}
 
 
 @functools.cache
@@ -73,6 +75,7 @@ def set_host_memory(mode: str) -> bool:
     keep = mode in ("cache", "reuse")  # under the cache, glibc serves the small blocks
     mmap = KEEP_ALL if keep else GLIBC_DEFAULT_MMAP_THRESHOLD
     trim = KEEP_ALL if keep else GLIBC_DEFAULT_TRIM_THRESHOLD
+    _state["mallopt_calls"] += 2
     ok = bool(mallopt(M_MMAP_THRESHOLD, mmap)) and bool(mallopt(M_TRIM_THRESHOLD, trim))
     if ok and mode != _state["mode"]:
         what = {"cache": "is kept by size for reuse (block cache)",
@@ -89,6 +92,11 @@ def host_memory_mode() -> str | None:
     return _state["mode"]
 
 
+def mallopt_calls() -> int:
+    """How many times this process called glibc's ``mallopt`` through this module."""
+    return _state["mallopt_calls"]
+
+
 def restore_host_memory() -> bool:
     """Undo :func:`set_host_memory`: take the block cache out (torch's own CPU allocator
     again) and put glibc's initial thresholds (128 KiB) back. glibc's adaptive raising of
@@ -98,6 +106,7 @@ def restore_host_memory() -> bool:
     block_cache.uninstall()
     mallopt = _mallopt()
     if mallopt is not None:
+        _state["mallopt_calls"] += 2
         mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT_MMAP_THRESHOLD)
         mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT_TRIM_THRESHOLD)
     _state["mode"] = None
