@@ -1,5 +1,6 @@
 """The ``comera`` torch.compile backend, the compiled-model wrapper and whole-step CUDA
-Graph capture of training."""
+Graph capture of training. The names load on first use: importing this package does not
+import inductor."""
 
 from __future__ import annotations
 

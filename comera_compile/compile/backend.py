@@ -1,5 +1,8 @@
 """The ``comera`` torch.compile backend (registered as a ``torch_dynamo_backends`` entry point,
-so ``torch.compile(model, backend="comera")`` works in a process that never imported us)."""
+so ``torch.compile(model, backend="comera")`` works in a process that never imported us).
+Each tensorized layer traces as one ``comera::`` op, keeping planning out of the trace; the
+backend rewrites the graph (``compile.graph``, on CPU ``compile.cpu``) and hands it to inductor.
+"""
 
 from __future__ import annotations
 

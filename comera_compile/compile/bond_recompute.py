@@ -1,5 +1,7 @@
 """Bond recomputation, as CoLA-M does it: per block, keep the block's input and the rank-wide
-bond of each compressed layer, and recompute the rest of the block in backward."""
+bond of each compressed layer, and recompute the rest of the block in backward. A compressed
+model's weights and optimizer state are small; the activations a step keeps are not, and the
+bonds are narrow and the cheap half of each layer to remake."""
 
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ class NoDenseWeight(Tensor):
 
 @dataclass
 class PruneResult:
-    """What ``prune_ranks`` removed."""
+    """What ``prune_ranks`` removed; ``slices`` lists ``(parameter, dim, kept_indices)`` in
+    order, so an optimizer's per-parameter state can be sliced the same way."""
 
     removed: list[int]
     params_before: int

@@ -1,4 +1,6 @@
-"""TTEmbedding: an embedding table (or bag) stored as a TTM chain, looked up without the table."""
+"""TTEmbedding: an embedding table (or bag) stored as a TTM chain, looked up without the table:
+distinct ids' rows are built from two pre-merged halves of the chain, so nothing in forward or
+backward is table-sized."""
 
 from __future__ import annotations
 

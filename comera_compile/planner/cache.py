@@ -1,4 +1,5 @@
-"""Plan caches: an in-memory LRU (hit on every forward) over a JSON-file disk cache."""
+"""Plan caches: an in-memory LRU (hit on every forward) over a JSON-file disk cache, both
+bounded since pruning keeps making new networks. ``COMERA_CACHE_DIR=off`` turns the disk off."""
 
 from __future__ import annotations
 

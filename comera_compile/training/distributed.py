@@ -1,4 +1,5 @@
-"""Rank-adaptive training under ``torch.distributed`` data parallelism."""
+"""Rank-adaptive training under ``torch.distributed`` data parallelism. DDP fixes its gradient
+buckets to the shapes it was built with, so ``PrunableDDP`` rebuilds it after a prune."""
 
 from __future__ import annotations
 

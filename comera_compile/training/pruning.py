@@ -1,4 +1,5 @@
-"""Drop dead rank channels during training, optimizer state included."""
+"""Drop dead rank channels during training, optimizer state included: state laid out like
+the parameter is sliced with it; state of any other shape is reset, with a warning."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The two stages of CoMERA training and the rules that move between them."""
+"""The two stages of CoMERA training and the rules that move between them. Late stage: the
+switch rule ``0.1 L + 0.01 R + lam R + (1 - lam) L`` or, where the run's length is known, a
+size budget that tightens on a cubic schedule."""
 
 from __future__ import annotations
 

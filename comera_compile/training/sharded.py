@@ -1,4 +1,8 @@
-"""Rank-adaptive training under FSDP2 (``torch.distributed.fsdp.fully_shard``), pruning included."""
+"""Rank-adaptive training under FSDP2 (``torch.distributed.fsdp.fully_shard``), pruning included.
+
+FSDP2 lays out its collectives from the shapes at wrap time, so a prune gathers, cuts and
+re-shards each changed group; the rank gates stay whole on every rank. 1-D meshes only.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Dropout for CPU graphs: each mask element hashed from its index and a per-call key."""
+"""Dropout for CPU graphs: each mask element hashed from its index and a per-call key. aten's
+CPU dropout draws from a serial generator on one core; the hash fuses into the kernel."""
 
 from __future__ import annotations
 

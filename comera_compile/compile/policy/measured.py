@@ -1,4 +1,6 @@
-"""Keep the compiled forward only where it pays: a few calls timed both ways."""
+"""Keep the compiled forward only where it pays: a few calls timed both ways. Whether inductor
+beats eager depends on the model, the batch and the machine, and no rule known before running
+says which (docs/compile.md)."""
 
 from __future__ import annotations
 
