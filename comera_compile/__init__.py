@@ -25,24 +25,6 @@ from comera_compile.nn import (
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BTTLinear",
-    "Budget",
-    "CompileOptions",
-    "CompressionConfig",
-    "LowRankLinear",
-    "MonarchLinear",
-    "Summary",
-    "TTEmbedding",
-    "TTLinear",
-    "TTMLinear",
-    "config_of",
-    "load",
-    "optimize",
-    "plans",
-    "save",
-    "summary",
-    "to_graph_module",
-    "training",
-    "__version__",
-]
+__all__ = ["BTTLinear", "Budget", "CompileOptions", "CompressionConfig", "LowRankLinear",
+           "MonarchLinear", "Summary", "TTEmbedding", "TTLinear", "TTMLinear", "config_of", "load",
+           "optimize", "plans", "save", "summary", "to_graph_module", "training", "__version__"]

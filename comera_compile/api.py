@@ -23,23 +23,14 @@ from comera_compile.passes import (
 )
 from comera_compile.planner import PlanReport
 
-__all__ = [
-    "Budget", "CompileOptions", "CompressionConfig", "Summary", "config_of", "load",
-    "optimize", "plans", "save", "summary", "to_graph_module",
-]
+__all__ = ["Budget", "CompileOptions", "CompressionConfig", "Summary", "config_of", "load",
+           "optimize", "plans", "save", "summary", "to_graph_module"]
 
 
-def optimize(
-    model: nn.Module,
-    config: CompressionConfig | float | int | str | Budget | None = None,
-    *,
-    budget: float | int | str | Budget | None = None,
-    format: str | None = None,
-    init: str | None = None,
-    compile: bool | str | None = None,
-    example_inputs: Any = None,
-    inplace: bool = False,
-) -> nn.Module:
+def optimize(model: nn.Module, config: CompressionConfig | float | int | str | Budget | None = None,
+             *, budget: float | int | str | Budget | None = None, format: str | None = None,
+             init: str | None = None, compile: bool | str | None = None, example_inputs: Any = None,
+             inplace: bool = False) -> nn.Module:
     """Tensorize the Linear / Embedding / EmbeddingBag layers of ``model`` as ``config`` (a
     :class:`~comera_compile.config.CompressionConfig`, which holds every setting and its
     default) says.
@@ -110,11 +101,8 @@ def to_graph_module(model: nn.Module) -> torch.fx.GraphModule:
     return graph_module
 
 
-def plans(
-    model: nn.Module,
-    batch_sizes: list[int] | tuple[int, ...] = (1, 32, 4096),
-    dtype: torch.dtype | None = None,
-) -> PlanReport:
+def plans(model: nn.Module, batch_sizes: list[int] | tuple[int, ...] = (1, 32, 4096),
+          dtype: torch.dtype | None = None) -> PlanReport:
     """The contraction order every tensorized layer runs at each batch size (rows of input,
     or ids for an embedding), with its multiply-adds against the dense layer's.
 

@@ -1,16 +1,9 @@
 """The two configuration objects: :class:`CompressionConfig` for ``optimize`` and
-:class:`CompileOptions` for the ``comera`` backend.
+:class:`CompileOptions` for the ``comera`` backend. Both are checked when built and round-trip
+through JSON, so ``save`` keeps the configuration and :func:`config_of` reads it back::
 
-Both are dataclasses checked when built (a bad value fails at once, naming the accepted
-values) and turn into JSON-able dicts and back (``to_dict`` / ``from_dict``), so ``save``
-writes the configuration ``optimize`` ran with and :func:`config_of` reads it back::
-
-    config = cc.CompressionConfig(budget="40x", format="tt", max_rank=16,
-                                  compile_options=cc.CompileOptions(memory="low"))
-    model = cc.optimize(model, config)
-    cc.config_of(model) == config          # also after save / load
-
-Budget forms: docs/budgets.md.
+    model = cc.optimize(model, cc.CompressionConfig(budget="40x", format="tt"))
+    cc.config_of(model)                    # the same config, also after save / load
 """
 
 from __future__ import annotations
@@ -50,10 +43,8 @@ RUNTIME = {"runtime": True}
 """Field metadata of settings that act on this process only (process-wide allocator modes,
 a Python callable): they are not written into the saved configuration."""
 
-BACKEND_KEYS = (
-    "cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory",
-    "absorb_attention", "join_products", "pooled_kernels", "dtype_rules_once",
-)
+BACKEND_KEYS = ("cudagraphs", "autotune", "objective", "inductor", "memory", "host_memory",
+                "absorb_attention", "join_products", "pooled_kernels", "dtype_rules_once")
 """The ``CompileOptions`` fields the backend's ``options`` dict takes by name; any other
 key of that dict is a ``torch._inductor.config`` entry."""
 

@@ -1,15 +1,12 @@
-"""The one aligned plain-text table that reports, records and benchmarks print.
-
-A leaf module (it imports nothing from the package), so every layer may use it."""
+"""The one aligned plain-text table that reports, records and benchmarks print."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
 
-def text_table(
-    header: Sequence[str], rows: Sequence[Sequence[object]], right: Collection[int] = ()
-) -> str:
+def text_table(header: Sequence[str], rows: Sequence[Sequence[object]],
+               right: Collection[int] = ()) -> str:
     """Header, a dashed rule, then the rows; columns ``right`` (numbers) align right."""
     cells = [[str(c) for c in header], *([str(c) for c in row] for row in rows)]
     widths = [max(len(row[k]) for row in cells) for k in range(len(header))]

@@ -1,9 +1,4 @@
-"""The ``comera`` command: dump contraction plans, print a layer summary, run the demo.
-
-Every argument is read and every output path checked before any model is built, so a typo
-costs a second, not a training run. Every error ends as ``comera: error: ...`` with exit
-status 2 (the argparse convention).
-"""
+"""The ``comera`` command: dump contraction plans, print a layer summary, run the demo."""
 
 from __future__ import annotations
 
@@ -54,11 +49,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 
 def parse_budget_arg(text: str):
-    """``100000`` -> params, ``0.05`` / ``5%`` -> fraction, ``40x`` -> ratio, ``20MB`` -> bytes.
-
-    The value is checked here, at argument parsing, so a bad budget fails before any model
-    is built; the error names only the forms the command line takes.
-    """
+    """``100000`` -> params, ``0.05`` / ``5%`` -> fraction, ``40x`` -> ratio, ``20MB`` -> bytes."""
     from comera_compile.passes.budget import parse_budget
 
     cleaned = text.strip().replace("_", "")

@@ -1,10 +1,4 @@
-"""``comera demo``: optimize a transformer under a budget, train it with CoMERA, compare.
-
-A small six-encoder learns the synthetic sentence-pair task from the same weights twice,
-dense and compressed with rank-adaptive training, deterministically for a seed and thread
-count. Progress goes to stderr, the result table to stdout; the layer summary, rank
-history and plans go to the output folder.
-"""
+"""``comera demo``: optimize a transformer under a budget, train it with CoMERA, compare."""
 
 from __future__ import annotations
 
@@ -62,14 +56,8 @@ def train(model, optimizer, task, steps, batch, seed, trainer=None, name="", pro
     return times
 
 
-def run_demo(
-    steps: int = 1000,
-    out: str = "runs/demo",
-    seed: int = 0,
-    batch: int = 32,
-    threads: int = 1,
-    progress: bool = True,
-) -> dict:
+def run_demo(steps: int = 1000, out: str = "runs/demo", seed: int = 0, batch: int = 32,
+             threads: int = 1, progress: bool = True) -> dict:
     """Train dense and CoMERA side by side; print the result table last and return it."""
     if steps < 10:
         raise ValueError(
@@ -86,15 +74,8 @@ def _run(steps: int, directory: Path, seed: int, batch: int, progress: bool) -> 
     print("comera demo: one small transformer trained twice on the same data, "
           "dense and compressed.")
     task = PairTask(vocab_size=8192, sentence_len=8)
-    config = SixEncoderConfig(
-        vocab_size=task.vocab_size,
-        hidden=256,
-        ffn=1024,
-        heads=4,
-        layers=2,
-        max_position=task.seq_len,
-        dropout=0.0,
-    )
+    config = SixEncoderConfig(vocab_size=task.vocab_size, hidden=256, ffn=1024, heads=4, layers=2,
+                              max_position=task.seq_len, dropout=0.0)
     dense = SixEncoderClassifier(config)
     dense_params = sum(p.numel() for p in dense.parameters())
     print(f"model: a {config.layers}-layer transformer classifier, hidden {config.hidden}, "
@@ -121,15 +102,8 @@ def _run(steps: int, directory: Path, seed: int, batch: int, progress: bool) -> 
     # switched off at the threshold then carries little). The run's length is known, so the
     # late stage follows a size budget down to the target, cutting the channels that carry
     # least, with the task loss at full weight throughout
-    trainer = RankAdaptiveTrainer(
-        model,
-        optimizer,
-        target_ratio=0.6,
-        early_steps=early,
-        prune_every=25,
-        l2_weight=1e-4,
-        total_steps=steps,
-    )
+    trainer = RankAdaptiveTrainer(model, optimizer, target_ratio=0.6, early_steps=early,
+                                  prune_every=25, l2_weight=1e-4, total_steps=steps)
     times = train(model, optimizer, task, steps, batch, seed + 1, trainer, name="CoMERA",
                   progress=progress)
 

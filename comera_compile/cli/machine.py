@@ -37,12 +37,7 @@ def describe_machine() -> str:
 
 @contextlib.contextmanager
 def reproducible(seed: int, threads: int = 1) -> Iterator[None]:
-    """Seed torch, fix the thread count and ask for deterministic kernels; restore after.
-
-    Float sums split over a different number of threads round differently, and a rank gate
-    near the pruning threshold can then fall on the other side: fixing the threads makes
-    accuracies and pruned sizes repeat from one machine to the next.
-    """
+    """Seed torch, fix the thread count and ask for deterministic kernels; restore after."""
     old_threads = torch.get_num_threads()
     old_deterministic = torch.are_deterministic_algorithms_enabled()
     old_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()

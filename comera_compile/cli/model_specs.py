@@ -1,8 +1,4 @@
-"""Model specs the command line understands: a built-in name or ``package.module:factory``.
-
-A factory returns a model, or ``(model, example_inputs)``; built-ins come with example
-inputs so ``optimize`` can learn shapes without the user writing any code.
-"""
+"""Model specs the command line understands: a built-in name or ``package.module:factory``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""A synthetic sentence-pair task (MNLI-shaped) whose answer needs both sentences.
-
-Each example is ``[CLS] premise [SEP] hypothesis [SEP]`` with sentences of equal length.
-A few words are "marked" (the first ``markers`` ids after the specials). The label
-compares how many marked words each sentence holds: more in the premise (0), as many (1),
-more in the hypothesis (2). Neither sentence alone tells the label: the ``[CLS]``
-position has to attend across the pair and weigh what it finds on each side.
-"""
+"""A synthetic sentence-pair task (MNLI-shaped) whose answer needs both sentences."""
 
 from __future__ import annotations
 

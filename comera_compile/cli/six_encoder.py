@@ -1,8 +1,4 @@
-"""The six-encoder BERT-like classifier of the CoMERA MNLI experiment (arXiv 2405.14377).
-
-Dense by default, so ``optimize`` has a realistic model to compress; ``reference_tensorized``
-builds it with exactly the paper's factorizations, for benchmarks and comparisons.
-"""
+"""The six-encoder BERT-like classifier of the CoMERA MNLI experiment (arXiv 2405.14377)."""
 
 from __future__ import annotations
 
@@ -42,10 +38,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         b, t, c = x.shape
-        q, k, v = (
-            proj(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-            for proj in (self.query, self.key, self.value)
-        )
+        q, k, v = (proj(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.out(y.transpose(1, 2).reshape(b, t, c))
@@ -92,12 +86,8 @@ class SixEncoderClassifier(nn.Module):
         self.fc1 = nn.Linear(config.hidden, config.hidden)
         self.fc2 = nn.Linear(config.hidden, config.num_labels)
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        token_type_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None,
+                attention_mask: Tensor | None = None) -> Tensor:
         t = input_ids.shape[1]
         positions = torch.arange(t, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
@@ -112,14 +102,9 @@ class SixEncoderClassifier(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x[:, 0])))
 
 
-def reference_tensorized(
-    config: SixEncoderConfig | None = None, max_rank: int = 30, embedding_rank: int = 32
-) -> SixEncoderClassifier:
-    """The model with the CoMERA paper's factorizations (768-wide sizes only).
-
-    Q, K, V, O and fc1: TT [12,8,8] -> [8,8,12]; FFN in: [12,8,8] -> [12,16,16];
-    FFN out: [16,16,12] -> [8,8,12]; word embedding: TTM [[16,20,10,10],[4,4,8,6]].
-    """
+def reference_tensorized(config: SixEncoderConfig | None = None, max_rank: int = 30,
+                         embedding_rank: int = 32) -> SixEncoderClassifier:
+    """The model with the CoMERA paper's factorizations (768-wide sizes only)."""
     config = config or SixEncoderConfig()
     if (config.hidden, config.ffn) != (768, 3072) or config.vocab_size > 32000:
         raise ValueError("CoMERA's factorizations are for hidden 768, ffn 3072, vocab<=32000")
@@ -135,11 +120,6 @@ def reference_tensorized(
             3072, 768, ranks=max_rank, in_modes=[16, 16, 12], out_modes=[8, 8, 12]
         )
     model.fc1 = TTLinear(768, 768, **square)
-    model.word_embeddings = TTEmbedding(
-        config.vocab_size,
-        768,
-        ranks=embedding_rank,
-        row_modes=[16, 20, 10, 10],
-        col_modes=[4, 4, 8, 6],
-    )
+    model.word_embeddings = TTEmbedding(config.vocab_size, 768, ranks=embedding_rank,
+                                        row_modes=[16, 20, 10, 10], col_modes=[4, 4, 8, 6])
     return model

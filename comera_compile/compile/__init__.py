@@ -1,10 +1,6 @@
 """The ``comera`` torch.compile backend, the compiled-model wrapper and whole-step CUDA
-Graph capture of training.
-
-``graph/`` holds the rewrites that hold on every device, ``cpu/`` the CPU-only passes and
-process-wide memory settings, ``policy/`` when and what to compile. The names below load
-on first use: importing this package does not import inductor.
-"""
+Graph capture of training. The names load on first use: importing this package does not
+import inductor."""
 
 from __future__ import annotations
 
@@ -13,15 +9,13 @@ from typing import Any
 
 from comera_compile.compile.state import CompiledState, compiled_state
 
-_LAZY = {
-    "comera_backend": "comera_compile.compile.backend",
-    "graphs_compiled": "comera_compile.compile.backend",
-    "tensorized_nodes": "comera_compile.compile.backend",
-    "compile_model": "comera_compile.compile.model",
-    "TrainStep": "comera_compile.compile.train_step",
-    "capture_train_step": "comera_compile.compile.train_step",
-    "traced_plans": "comera_compile.planner.ops",
-}
+_LAZY = {"comera_backend": "comera_compile.compile.backend",
+         "graphs_compiled": "comera_compile.compile.backend",
+         "tensorized_nodes": "comera_compile.compile.backend",
+         "compile_model": "comera_compile.compile.model",
+         "TrainStep": "comera_compile.compile.train_step",
+         "capture_train_step": "comera_compile.compile.train_step",
+         "traced_plans": "comera_compile.planner.ops"}
 
 __all__ = ["CompiledState", "compiled_state", *_LAZY]
 

@@ -1,18 +1,7 @@
 """The ``comera`` torch.compile backend (registered as a ``torch_dynamo_backends`` entry point,
 so ``torch.compile(model, backend="comera")`` works in a process that never imported us).
-
-While dynamo traces, every tensorized layer routes its contraction through one ``comera::``
-custom op (``planner.ops``), so planning stays out of the trace and the graph holds one
-node per layer. The backend finds those nodes (none: one warning, then plain inductor),
-applies its options to them, runs the graph rewrites of ``compile.graph`` (attention
-through the rank bonds, joined sibling products, what a low memory budget recomputes) and,
-on CPU, those of ``compile.cpu`` (hashed dropout masks, blocked row sums, turned thin
-matmuls, pooled kernel builds, the opt-in host allocator), then hands the graph to
-inductor. AOT autograd lowers each op to its plan for the batch's bucket region, so one
-graph serves every batch size in that region. What each rewrite removes: docs/compile.md
-and docs/cpu-performance.md.
-
-Each graph it starts compiling logs one INFO line on the ``comera_compile`` logger.
+Each tensorized layer traces as one ``comera::`` op, keeping planning out of the trace; the
+backend rewrites the graph (``compile.graph``, on CPU ``compile.cpu``) and hands it to inductor.
 """
 
 from __future__ import annotations
@@ -79,13 +68,10 @@ def _warn_plain() -> None:
     if _warned_plain:
         return
     _warned_plain = True
-    warnings.warn(
-        "comera backend: this graph has no tensorized layer (TTLinear, TTMLinear, "
-        "LowRankLinear, CoLALinear, TTEmbedding), compiling it with plain inductor; use "
-        "comera_compile.optimize(model) to tensorize the model first",
-        UserWarning,
-        stacklevel=2,
-    )
+    warnings.warn("comera backend: this graph has no tensorized layer (TTLinear, TTMLinear, "
+                  "LowRankLinear, CoLALinear, TTEmbedding), compiling it with plain inductor; use "
+                  "comera_compile.optimize(model) to tensorize the model first", UserWarning,
+                  stacklevel=2)
 
 
 def _reads_cores(gm: fx.GraphModule) -> bool:
@@ -168,11 +154,9 @@ def _hint_huge_pages() -> None:
     if _hinted_huge_pages or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
         return
     _hinted_huge_pages = True
-    log.info(
-        "comera backend: memory='low' on CPU frees and maps its large activations every "
-        "step; start the process with THP_MEM_ALLOC_ENABLE=1 (torch's huge pages) for fewer "
-        "page faults"
-    )
+    log.info("comera backend: memory='low' on CPU frees and maps its large activations every "
+             "step; start the process with THP_MEM_ALLOC_ENABLE=1 (torch's huge pages) for fewer "
+             "page faults")
 
 
 def has_sparse_embedding(gm: fx.GraphModule) -> bool:
@@ -304,9 +288,6 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], low_memory: bo
     def run_as_is(graph: fx.GraphModule, _inputs):
         return make_boxed_func(graph.forward)
 
-    compiler = aot_autograd(
-        fw_compiler=run_as_is,
-        bw_compiler=run_as_is,
-        partition_fn=partition_keeping_random,
-    )
+    compiler = aot_autograd(fw_compiler=run_as_is, bw_compiler=run_as_is,
+                            partition_fn=partition_keeping_random)
     return compiler(gm, example_inputs)

@@ -1,32 +1,7 @@
 """Bond recomputation, as CoLA-M does it: per block, keep the block's input and the rank-wide
-bond of each compressed layer, and recompute the rest of the block in backward.
-
-A compressed model's parameters, gradients and optimizer state are small; what its training
-step keeps for backward is not: every block keeps its full-width activations (the attention
-scores, the MLP's wide outputs, the norms' inputs). CoLA (arXiv 2502.10940) observes that in a
-low-rank layer with an activation on its bond, the bond ``z = x U`` is narrow (rank ``r``
-against the layer's widths) and costs half the layer's multiply-adds to make, so keeping
-``z`` and remaking everything else of the block from the block's input and these bonds keeps
-little memory and repeats only the cheap half: its CoLA-M variant recomputes the block from
-exactly these checkpoints.
-
-Here each block (a member of the model's stacks, as ``compile.policy.blocks.repeated_blocks`` finds
-them; a model without stacks keeps its step as it is) runs inside a non-reentrant
-``torch.utils.checkpoint`` whose selective policy saves the output of
-:func:`~comera_compile.nn.cola_linear.bond_product` (the op CoLA layers compute their bond
-with) and of the fused attention (as narrow as the block's input, and the dearest op to
-redo; :func:`keep_bonds`) and recomputes every other op. Eager, the checkpoint keeps the
-CPU and CUDA random state of the block's forward and replays it, so a dropout draws the
-same mask again. Compiled (``torch.compile``, with inductor or the ``comera`` backend), the
-policy becomes ``recompute`` tags on the joint graph and the partitioner duplicates the
-block's ops in backward (random ops replayed from their seeds, ``compile.recompute``). Bonds
-of other formats (TT chains, plain low rank) are recomputed with the rest.
-
-A Hugging Face causal LM also gets a loss whose backward keeps no copy of the logits
-(``training.causal_loss``): past the blocks, the logits are what a step keeps most of. A TT
-embedding's lookup keeps only its ids and builds its rows again in backward
-(``TTEmbedding.recompute_lookup``): its partial products are many times wider than the rows.
-"""
+bond of each compressed layer, and recompute the rest of the block in backward. A compressed
+model's weights and optimizer state are small; the activations a step keeps are not, and the
+bonds are narrow and the cheap half of each layer to remake."""
 
 from __future__ import annotations
 

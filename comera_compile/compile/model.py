@@ -21,29 +21,14 @@ from comera_compile.config import CompileOptions
 RECOMPILE_LIMIT = 64
 
 
-def compile_model(
-    model: nn.Module,
-    options: CompileOptions | None = None,
-    *,
-    dynamic: bool | None = None,
-    inplace: bool = False,
-    measure: bool = False,
-    **fields: Any,
-) -> nn.Module:
+def compile_model(model: nn.Module, options: CompileOptions | None = None, *,
+                  dynamic: bool | None = None, inplace: bool = False, measure: bool = False,
+                  **fields: Any) -> nn.Module:
     """``torch.compile(model, backend="comera", dynamic=dynamic, options=...)``.
 
-    The backend's options come as a :class:`~comera_compile.config.CompileOptions`
-    (``compile_model(model, CompileOptions(memory="low"))``) or as keywords, as the
-    backend's options dict takes them (``compile_model(model, memory="low")``), not both.
-
-    ``dynamic=None``: the first batch size compiles a static graph, later ones a symbolic
-    batch guarded to its plan region (``planner.regions``): one graph per region. Options
-    are checked here, so a typo fails at once. ``inplace=True`` compiles the model in place,
-    as ``model.compile`` does, and returns it. In place only: ``measure=True`` keeps the
-    compiled form only where timed steps show it faster (``compile.policy.measured``);
-    ``options.blocks`` and ``options.symbolic_ranks`` act as :class:`CompileOptions` says.
-    Raises dynamo's recompile limit to ``RECOMPILE_LIMIT``: each rank cut is a recompile
-    that must not push the model to eager.
+    Options come as a ``CompileOptions`` or as the backend's keywords, not both, checked
+    here. ``inplace=True`` compiles in place and returns the model; in place only,
+    ``measure=True`` keeps the compiled form only where timed steps show it faster.
     """
     if options is not None and fields:
         raise ValueError(f"compile_model takes a CompileOptions or keyword options, not "

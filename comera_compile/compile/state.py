@@ -1,9 +1,4 @@
-"""How a model runs with respect to the compiler, asked through one public function.
-
-The trainer and the summary ask :func:`compiled_state` rather than reading the private
-attribute ``torch.compile`` installs on a module compiled in place. Nothing here imports
-dynamo or inductor.
-"""
+"""How a model runs with respect to the compiler, asked through one public function."""
 
 from __future__ import annotations
 
@@ -59,8 +54,5 @@ def compiled_state(model: nn.Module) -> CompiledState:
     call: Any = getattr(model, "_compiled_call_impl", None)
     if call is None:
         return CompiledState(compiled=False, measured=None)
-    return CompiledState(
-        compiled=bool(getattr(call, "compiles_training", True)),
-        measured=call if hasattr(call, "expect_cuts") else None,
-        call=call,
-    )
+    return CompiledState(compiled=bool(getattr(call, "compiles_training", True)),
+                         measured=call if hasattr(call, "expect_cuts") else None, call=call)

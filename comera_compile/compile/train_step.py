@@ -1,12 +1,4 @@
-"""Whole training step capture: forward, backward and optimizer step as one CUDA Graph.
-
-A TT model runs many small kernels per step, so on a GPU launch overhead sets the step
-time; replaying one recorded graph removes it. On CPU the same callable runs the forward
-and loss compiled, then backward and the optimizer step eagerly. Recording needs fixed
-memory (static batch buffers, AdamW with ``capturable=True``), so every call compares a
-signature of batch layout, parameters and optimizer state with the recorded one and
-records again when it differs (a prune), or on ``rerecord()``.
-"""
+"""Whole training step capture: forward, backward and optimizer step as one CUDA Graph."""
 
 from __future__ import annotations
 
@@ -21,11 +13,7 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Switch an optimizer to on-device step counters and a tensor ``lr`` (no host sync).
-
-    A float ``lr`` would be baked into the recorded kernels and an LR scheduler would
-    silently stop acting; schedulers ``fill_`` a tensor ``lr`` in place, which the replayed
-    graph reads."""
+    """Switch an optimizer to on-device step counters and a tensor ``lr`` (no host sync)."""
     for group in optimizer.param_groups:
         if "capturable" not in group:
             raise ValueError(
@@ -61,18 +49,12 @@ class _FirstValues(dict):
 
 
 class _Snapshot:
-    """Parameters and optimizer state before warm-up, so warm-up steps leave no trace.
-
-    State that exists before warm-up is copied; state the optimizer creates during warm-up
-    (its first step) is restored to the values it was created with (zeros for Adam's
-    moments, but one for NAdam's ``mu_product`` and ``lr`` for ASGD's ``eta``)."""
+    """Parameters and optimizer state before warm-up, so warm-up steps leave no trace."""
 
     def __init__(self, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         self.params = [p.detach().clone() for p in params]
-        self.state = {
-            p: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}
-            for p, s in optimizer.state.items()
-        }
+        self.state = {p: {k: v.clone() if isinstance(v, Tensor) else v for k, v in s.items()}
+                      for p, s in optimizer.state.items()}
         for p in params:
             if not optimizer.state.get(p):
                 optimizer.state[p] = _FirstValues()
@@ -127,22 +109,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 class TrainStep:
     """``step(batch) -> loss``: one training step, replayed from a CUDA Graph on CUDA.
 
-    ``loss_fn(model, batch)`` returns the scalar loss; on CUDA it is a static tensor the next
-    call overwrites. On CUDA the step is recorded after ``warmup`` side-stream steps (their
-    effect undone), with the optimizer switched to ``capturable=True``, and recorded again
-    when the batch layout or a parameter shape changes. ``compile`` (default: on CPU only)
-    compiles the forward and loss with the ``comera`` backend.
+    ``loss_fn(model, batch)`` returns the scalar loss. The step is recorded after ``warmup``
+    steps, and again when the batch layout or a parameter shape changes; ``compile``
+    (default: CPU only) compiles the forward and loss with the ``comera`` backend.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        example_batch: Any,
-        warmup: int = 3,
-        compile: bool | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                 example_batch: Any, warmup: int = 3, compile: bool | None = None) -> None:
         model = unwrap(model)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -197,10 +170,8 @@ class TrainStep:
         """Everything the recording depends on; a difference records again. Reads no tensor
         data (no host sync): shapes, dtypes, addresses and Python values only."""
         batch = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t for t in flat)
-        params = tuple(
-            (tuple(p.shape), p.dtype, p.data_ptr(), p.requires_grad)
-            for p in self.model.parameters()
-        )
+        params = tuple((tuple(p.shape), p.dtype, p.data_ptr(), p.requires_grad)
+                       for p in self.model.parameters())
         optimizer = (_hyperparameters(self.optimizer), _state_identity(self.optimizer))
         return spec, batch, params, optimizer
 

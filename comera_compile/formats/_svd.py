@@ -1,8 +1,4 @@
-"""Sequential truncated SVD of a tensor into a chain of 3-way cores (Oseledets' TT-SVD).
-
-Shared by the TT-linear and TTM formats, which only differ in how the matrix is
-reshaped into a tensor before this runs and how the cores are reshaped afterwards.
-"""
+"""Sequential truncated SVD of a tensor into a chain of 3-way cores (Oseledets' TT-SVD)."""
 
 from __future__ import annotations
 
@@ -25,13 +21,7 @@ _POWER_ITERATIONS = 4
 
 
 def leading_svd(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``u, s, vh`` holding (at least) the ``rank`` leading singular triplets of ``matrix``.
-
-    Full SVD for small or nearly full-rank requests; otherwise Halko et al.'s randomized
-    range finder with oversampling and power iterations (``torch.svd_lowrank``), whose
-    singular values are those of the projection, so ``||A||^2 - sum(s[:r]^2)`` is the exact
-    error of the rank-``r`` truncation it returns. Seeded, so results are reproducible.
-    """
+    """``u, s, vh`` holding (at least) the ``rank`` leading singular triplets of ``matrix``."""
     short = min(matrix.shape)
     if short < _RANDOMIZED_MIN_SIDE or rank > _RANDOMIZED_SHARE * short:
         return torch.linalg.svd(matrix, full_matrices=False)
@@ -42,21 +32,9 @@ def leading_svd(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
     return u, s, v.mT
 
 
-def chain_svd(
-    tensor: Tensor,
-    dims: Sequence[int],
-    max_rank: int | Sequence[int] | None = None,
-    tolerance: float | None = None,
-) -> tuple[list[Tensor], float]:
-    """Cores ``(r_{k-1}, dims[k], r_k)`` of ``tensor`` and the discarded Frobenius mass.
-
-    Each bond keeps min(max_rank_k, smallest rank whose discarded tail is <= delta) with
-    delta = tolerance * ||tensor||_F / sqrt(L - 1), so the total relative error is at most
-    ``tolerance``. The returned error is sqrt(sum of all discarded squared singular
-    values), which bounds (and in exact arithmetic equals) the reconstruction error.
-    Runs without autograd; half precision is computed in float32 and cast back. A bond with
-    a low rank cap (and no tolerance) uses the randomized ``leading_svd``.
-    """
+def chain_svd(tensor: Tensor, dims: Sequence[int], max_rank: int | Sequence[int] | None = None,
+              tolerance: float | None = None) -> tuple[list[Tensor], float]:
+    """Cores ``(r_{k-1}, dims[k], r_k)`` of ``tensor`` and the discarded Frobenius mass."""
     dims = [int(d) for d in dims]
     num = len(dims)
     if tensor.numel() != math.prod(dims):

@@ -1,14 +1,4 @@
-"""Block Tensor-Train (BTT) matrices of two cores: modes, shapes, counts, init, projection.
-
-BTT keeps full rank and shares no parameters (Qiu et al., ICML 2024). For a row ``x`` read
-as ``x[i1, i0]`` and outputs ``y[a0, a1]``::
-
-    y[a0, a1] = sum_{i1, i0, k} x[i1, i0] A[i1, i0, a0, k] B[a0, i1, k, a1]
-
-two batched matmuls; ``r = min(m0, n1)`` is every dense matrix, ``m1 = n0 = 1`` plain low
-rank, rank 1 Monarch. Cores are laid out as a chain, ``A`` as ``(1, m1, m0, n0, r)`` and
-``B`` as ``(r, n0, m1, n1, 1)``, so gates and pruning treat ``r`` as any other rank.
-"""
+"""Block Tensor-Train (BTT) matrices of two cores: modes, shapes, counts, init, projection."""
 
 from __future__ import annotations
 
@@ -122,11 +112,7 @@ def btt_to_dense(a: Tensor, b: Tensor) -> Tensor:
 
 def btt_project(w: Tensor, in_modes: Sequence[int], out_modes: Sequence[int],
                 rank: int) -> list[Tensor]:
-    """The rank-``r`` BTT closest to ``w`` (``(m1 m0, n0 n1)``, ``x @ w``) in Frobenius norm.
-
-    The ``m1 n0`` blocks ``w[i1, :, a0, :]`` own disjoint slices of the cores, so the best
-    BTT is each block's truncated SVD (Eckart-Young per block), split as ``U sqrt(S)`` and
-    ``sqrt(S) V^T`` so both cores carry the same scale."""
+    """The rank-``r`` BTT closest to ``w`` (``(m1 m0, n0 n1)``, ``x @ w``) in Frobenius norm."""
     (m1, m0), (n0, n1) = in_modes, out_modes
     if rank > btt_rank_cap(in_modes, out_modes):
         raise ValueError(f"rank {rank} exceeds the blocks' size {m0} x {n1}; "

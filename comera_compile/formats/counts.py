@@ -14,9 +14,8 @@ def core_params(shapes: Sequence[Sequence[int]]) -> int:
     return sum(math.prod(int(s) for s in shape) for shape in shapes)
 
 
-def tt_linear_params(
-    in_modes: Sequence[int], out_modes: Sequence[int], ranks: Sequence[int]
-) -> int:
+def tt_linear_params(in_modes: Sequence[int], out_modes: Sequence[int],
+                     ranks: Sequence[int]) -> int:
     """Parameters of a TT-linear chain: sum_k r_{k-1} n_k r_k (gates not included)."""
     modes = positive_ints("in_modes", in_modes) + positive_ints("out_modes", out_modes)
     ranks = chain_ranks(ranks, len(modes))
@@ -35,19 +34,9 @@ def dense_linear_macs(rows: int, in_features: int, out_features: int) -> int:
     return int(rows) * int(in_features) * int(out_features)
 
 
-def tt_linear_macs(
-    rows: int,
-    in_modes: Sequence[int],
-    out_modes: Sequence[int],
-    ranks: Sequence[int],
-    include_merge: bool = True,
-) -> int:
-    """Multiply-adds of the reference TT-linear forward for ``rows`` input rows.
-
-    Merge the input cores left to right into L (N_in x r_d) and the output cores right to
-    left into R (r_d x N_out) (batch-independent, counted if ``include_merge``), then
-    x @ L @ R: rows * r_d * (N_in + N_out).
-    """
+def tt_linear_macs(rows: int, in_modes: Sequence[int], out_modes: Sequence[int],
+                   ranks: Sequence[int], include_merge: bool = True) -> int:
+    """Multiply-adds of the reference TT-linear forward for ``rows`` input rows."""
     ins = positive_ints("in_modes", in_modes)
     outs = positive_ints("out_modes", out_modes)
     ranks = chain_ranks(ranks, len(ins) + len(outs))
@@ -68,14 +57,9 @@ def tt_linear_macs(
     return macs
 
 
-def ttm_linear_macs(
-    rows: int, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]
-) -> int:
-    """Multiply-adds of y = x @ M^T sweeping x (rows x prod n_k) through cores 1..d in turn.
-
-    Step k contracts (r_{k-1}, n_k) of the running tensor
-    (rows, m_1..m_{k-1}, r_{k-1}, n_k..n_d) with core k, producing m_k and r_k.
-    """
+def ttm_linear_macs(rows: int, row_modes: Sequence[int], col_modes: Sequence[int],
+                    ranks: Sequence[int]) -> int:
+    """Multiply-adds of y = x @ M^T sweeping x (rows x prod n_k) through cores 1..d in turn."""
     ms, ns = ttm_mode_pairs(row_modes, col_modes)
     ranks = chain_ranks(ranks, len(ms))
     macs = 0

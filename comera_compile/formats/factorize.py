@@ -1,8 +1,4 @@
-"""Choose tensor modes and ranks: split sizes into balanced factors, padding when needed.
-
-Balanced modes keep every core small; sizes that factor badly (primes, 30522) are padded
-up to a nearby smooth size instead of producing a huge mode or a useless mode of 1.
-"""
+"""Choose tensor modes and ranks: split sizes into balanced factors, padding when needed."""
 
 from __future__ import annotations
 
@@ -108,12 +104,7 @@ def _is_smooth(n: int, bound: float) -> bool:
 
 
 def factorize(size: int, order: int, max_padding: float = 0.1) -> Factorization:
-    """Split ``size`` into ``order`` balanced modes (ascending), padding up if it factors badly.
-
-    Tries ``size`` first, then each larger size up to ``size * (1 + max_padding)``; the
-    first whose most balanced factorization has no mode of 1 and no mode above twice the
-    balanced root wins. If none does, the best-balanced candidate in that range is used.
-    """
+    """Split ``size`` into ``order`` balanced modes (ascending), padding up if it factors badly."""
     size = positive_int("size", size)
     try:
         order = positive_int("order", order)
@@ -133,18 +124,13 @@ def factorize(size: int, order: int, max_padding: float = 0.1) -> Factorization:
         if _is_good(modes, n):
             return Factorization(size, modes)
     # Nothing in range is good (tiny sizes, order too high): least unbalanced candidate.
-    best = min(
-        range(size, limit + 1),
-        key=lambda n: (_balanced(n, order)[-1] / _balanced(n, order)[0], n),
-    )
+    best = min(range(size, limit + 1),
+               key=lambda n: (_balanced(n, order)[-1] / _balanced(n, order)[0], n))
     return Factorization(size, _balanced(best, order))
 
 
 def choose_order(size: int) -> int:
-    """Default number of modes: about log_12(size), so modes land near 8-16.
-
-    768 -> 3, 3072 -> 3, 32000 -> 4, 64 -> 2, sizes below 16 -> 1.
-    """
+    """Default number of modes: about log_12(size), so modes land near 8-16."""
     size = positive_int("size", size)
     if size < 16:
         return 1
@@ -157,35 +143,23 @@ def _resolve_order(order: int | None, *sizes: int) -> int:
     return positive_int("order (or None for automatic)", order)
 
 
-def tt_linear_modes(
-    in_features: int, out_features: int, order: int | None = None
-) -> tuple[Factorization, Factorization]:
-    """Modes for a TT-linear chain: input modes descending, output modes ascending.
-
-    The large modes sit at both ends of the chain, where ranks are clipped to the mode
-    size anyway, so the wide middle bonds meet the small modes. 768x768 -> [12,8,8],[8,8,12].
-    """
+def tt_linear_modes(in_features: int, out_features: int,
+                    order: int | None = None) -> tuple[Factorization, Factorization]:
+    """Modes for a TT-linear chain: input modes descending, output modes ascending."""
     return _descending_then_ascending(in_features, out_features, order)
 
 
-def ttm_modes(
-    rows: int, cols: int, order: int | None = None
-) -> tuple[Factorization, Factorization]:
-    """Row and column modes of a TTM of the same order (rows = vocab or out_features).
-
-    Rows are descending and columns ascending so each core's m_k * n_k is balanced.
-    """
+def ttm_modes(rows: int, cols: int,
+              order: int | None = None) -> tuple[Factorization, Factorization]:
+    """Row and column modes of a TTM of the same order (rows = vocab or out_features)."""
     return _descending_then_ascending(rows, cols, order)
 
 
-def _descending_then_ascending(
-    first: int, second: int, order: int | None
-) -> tuple[Factorization, Factorization]:
+def _descending_then_ascending(first: int, second: int,
+                               order: int | None) -> tuple[Factorization, Factorization]:
     """Both sizes factorized with one order: the first's modes descending, the second's
     ascending (what both chain layouts want, for the reasons their docstrings give)."""
     order = _resolve_order(order, first, second)
     one, two = factorize(first, order), factorize(second, order)
-    return (
-        Factorization(one.size, tuple(sorted(one.modes, reverse=True))),
-        Factorization(two.size, tuple(sorted(two.modes))),
-    )
+    return (Factorization(one.size, tuple(sorted(one.modes, reverse=True))),
+            Factorization(two.size, tuple(sorted(two.modes))))

@@ -1,9 +1,4 @@
-"""A chain's layout from a layer's arguments: modes per side and the full rank list.
-
-Layer constructors and the selection pass both need "what would this layer be" from the
-same arguments (sizes, optional modes, order, ranks); ``chain_layout`` answers it once,
-with pure arithmetic, so checking a user's settings never builds a layer.
-"""
+"""A chain's layout from a layer's arguments: modes per side and the full rank list."""
 
 from __future__ import annotations
 
@@ -35,12 +30,7 @@ _LINEAR_NAMES = ("in_features", "out_features", "in_modes", "out_modes")
 
 @dataclass(frozen=True)
 class ChainLayout:
-    """The modes of both sides and the full ranks ``[1, r_1, .., 1]`` of a chain.
-
-    For Linear layers (every format) ``first`` are the input modes and ``second`` the
-    output modes; for an embedding table they are its row (vocabulary) and column
-    (embedding-dim) modes.
-    """
+    """The modes of both sides and the full ranks ``[1, r_1, .., 1]`` of a chain."""
 
     first: tuple[int, ...]
     second: tuple[int, ...]
@@ -59,32 +49,22 @@ def modes_cover(name: str, modes: Sequence[int], features: int) -> tuple[int, ..
     return modes
 
 
-def check_low_rank(
-    order: int | None, in_modes: Sequence[int] | None, out_modes: Sequence[int] | None
-) -> None:
+def check_low_rank(order: int | None, in_modes: Sequence[int] | None,
+                   out_modes: Sequence[int] | None) -> None:
     """A low-rank ``W = U V`` is a TT chain with one mode per side: refuse anything else."""
     if order not in (None, 1):
-        raise ValueError(
-            f"a low-rank layer has one mode per side (order 1), got order={order!r}; "
-            "use TTLinear (format='tt') for higher orders"
-        )
+        raise ValueError(f"a low-rank layer has one mode per side (order 1), got order={order!r}; "
+                         "use TTLinear (format='tt') for higher orders")
     for name, modes in (("in_modes", in_modes), ("out_modes", out_modes)):
         if modes is not None and len(modes) != 1:
-            raise ValueError(
-                f"a low-rank layer has one mode per side, got {name}={list(modes)}; "
-                "leave it as None or use TTLinear (format='tt') for several modes"
-            )
+            raise ValueError(f"a low-rank layer has one mode per side, got {name}={list(modes)}; "
+                             "leave it as None or use TTLinear (format='tt') for several modes")
 
 
-def chain_layout(
-    fmt: str,
-    first_size: int,
-    second_size: int,
-    ranks: int | Sequence[int],
-    first_modes: Sequence[int] | None = None,
-    second_modes: Sequence[int] | None = None,
-    order: int | None = None,
-) -> ChainLayout:
+def chain_layout(fmt: str, first_size: int, second_size: int, ranks: int | Sequence[int],
+                 first_modes: Sequence[int] | None = None,
+                 second_modes: Sequence[int] | None = None,
+                 order: int | None = None) -> ChainLayout:
     """The layout a layer of format ``fmt`` gets: sizes are ``(in_features, out_features)``
     for a Linear and ``(num_embeddings, embedding_dim)`` for an embedding. Modes not given
     are factorized (a TTM chain takes its order from given modes); ``ranks`` is an int or a
@@ -127,15 +107,9 @@ def chain_layout(
     return ChainLayout(ms, ns, fit_ranks([m * n for m, n in zip(ms, ns)], ranks))
 
 
-def _block_layout(
-    fmt: str,
-    in_features: int,
-    out_features: int,
-    ranks: int | Sequence[int],
-    in_modes: Sequence[int] | None,
-    out_modes: Sequence[int] | None,
-    order: int | None,
-) -> ChainLayout:
+def _block_layout(fmt: str, in_features: int, out_features: int, ranks: int | Sequence[int],
+                  in_modes: Sequence[int] | None, out_modes: Sequence[int] | None,
+                  order: int | None) -> ChainLayout:
     """BTT: two modes per side and one rank ``[1, r, 1]`` (an int is clipped to the rank
     that holds every matrix). Monarch: ``(blocks, block size)`` per side and no rank
     (``[1, 1]``); ``ranks`` is ignored."""

@@ -1,15 +1,4 @@
-"""Monarch matrices (Dao et al., ICML 2022): modes, shapes, counts, init, projection.
-
-Two block-diagonal factors with a fixed permutation between them. With ``b`` blocks,
-inputs padded to ``b p``, outputs to ``b s`` and ``q = min(p, s)``::
-
-    h[k, j]  = sum_i x[k, i] L[k, i, j]                 k < b blocks of p inputs
-    h'[l, t] = h.flat[t b + l]                          the (q, b) transpose of the flat h
-    y[u, l]  = sum_t h'[l, t] R[l, t, u]               output index u b + l
-
-``L`` is ``(b, p, q)`` and ``R`` ``(b, q, s)``; ``in_modes = (b, p)``, ``out_modes = (b, s)``.
-Monarch has no rank to prune: the block count sets its size.
-"""
+"""Monarch matrices (Dao et al., ICML 2022): modes, shapes, counts, init, projection."""
 
 from __future__ import annotations
 
@@ -124,12 +113,7 @@ def _routes(b: int, q: int, k: int, l: int) -> tuple[list[int], list[int]]:
 
 
 def monarch_project(w: Tensor, in_modes: Sequence[int], out_modes: Sequence[int]) -> list[Tensor]:
-    """The Monarch matrix closest to ``w`` (``(b p, b s)``, ``x @ w``) in Frobenius norm.
-
-    Input block ``k`` reaches the outputs ``u b + l`` of block ``l`` only through its own
-    channels (``_routes``), so each ``(k, l)`` block of ``w`` is a product of disjoint
-    slices of the factors, of rank their number: the best fit is each block's truncated
-    SVD (Dao et al.'s projection, with the reference's permutation)."""
+    """The Monarch matrix closest to ``w`` (``(b p, b s)``, ``x @ w``) in Frobenius norm."""
     check_monarch_modes(in_modes, out_modes)
     (b, p), (_, s) = in_modes, out_modes
     (_, _, q), _ = monarch_core_shapes(in_modes, out_modes)

@@ -1,9 +1,4 @@
-"""Rank lists of a chain of cores, in one place.
-
-Everything that takes ranks (formats, planner networks, layers) reads them through these
-functions, so the same three spellings mean the same everywhere: one int for every bond,
-the ``L - 1`` internal ranks, or the full list ``[1, r_1, ..., r_{L-1}, 1]``.
-"""
+"""Rank lists of a chain of cores, in one place."""
 
 from __future__ import annotations
 
@@ -64,10 +59,8 @@ def fit_ranks(dims: Sequence[int], ranks: int | Sequence[int]) -> list[int]:
     too_big = [(k + 1, r, c) for k, (r, c) in enumerate(zip(wanted, caps)) if r > c]
     if too_big:
         detail = ", ".join(f"bond {k}: {r} > {c}" for k, r, c in too_big)
-        raise ValueError(
-            f"ranks {wanted} are larger than the modes {list(dims)} allow ({detail}); "
-            f"use at most {caps}, or pass an int to clip automatically"
-        )
+        raise ValueError(f"ranks {wanted} are larger than the modes {list(dims)} allow ({detail}); "
+                         f"use at most {caps}, or pass an int to clip automatically")
     return [1, *wanted, 1]
 
 

@@ -1,10 +1,4 @@
-"""Structure-aware scales: each core's fan-in, its init std and its learning-rate share.
-
-Each core of a chain should see its input at unit scale and move it per step as much as
-the dense layer moves its own (muP for structured layers, Qiu et al., ICML 2024). Both
-follow from the core's fan-in ``F_k``: init ``std_k = c / sqrt(F_k)`` with ``c`` keeping the
-product's variance ``sigma**2``, and Adam rate ``lr * F / (L * F_k)`` for core ``k`` of ``L``.
-"""
+"""Structure-aware scales: each core's fan-in, its init std and its learning-rate share."""
 
 from __future__ import annotations
 
@@ -31,11 +25,7 @@ def lookup_fan_ins(ranks: Sequence[int]) -> list[int]:
 
 
 def fan_in_stds(fan_ins: Sequence[int], ranks: Sequence[int], sigma: float) -> list[float]:
-    """Per-core stds ``c / sqrt(F_k)`` whose chain product has entry variance ``sigma**2``.
-
-    ``var(W_ij) = prod_k std_k**2 * prod(internal ranks)`` (one term per index path), so
-    ``c**(2L) = sigma**2 * prod(F_k) / prod(internal ranks)``.
-    """
+    """Per-core stds ``c / sqrt(F_k)`` whose chain product has entry variance ``sigma**2``."""
     if sigma < 0:
         raise ValueError(f"sigma must be >= 0, got {sigma!r}")
     num = len(fan_ins)

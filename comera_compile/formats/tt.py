@@ -1,9 +1,4 @@
-"""TT-linear format: W (N_in x N_out) as a chain of cores, input modes first, then output.
-
-W[i_1..i_d, j_1..j_d'] = G_1[i_1] ... G_d[i_d] G_{d+1}[j_1] ... G_{d+d'}[j_d'], cores
-(r_{k-1}, n_k, r_k), indices mixed radix with the first mode most significant. W is
-nn.Linear's weight transposed, so y = x @ W.
-"""
+"""TT-linear format: W (N_in x N_out) as a chain of cores, input modes first, then output."""
 
 from __future__ import annotations
 
@@ -29,13 +24,9 @@ def _check_matrix(matrix: Tensor, in_modes: Sequence[int], out_modes: Sequence[i
         )
 
 
-def tt_svd_with_error(
-    matrix: Tensor,
-    in_modes: Sequence[int],
-    out_modes: Sequence[int],
-    max_rank: int | Sequence[int] | None = None,
-    tolerance: float | None = None,
-) -> tuple[list[Tensor], float]:
+def tt_svd_with_error(matrix: Tensor, in_modes: Sequence[int], out_modes: Sequence[int],
+                      max_rank: int | Sequence[int] | None = None,
+                      tolerance: float | None = None) -> tuple[list[Tensor], float]:
     """TT-SVD of ``matrix`` plus the absolute Frobenius error bound of the truncation."""
     in_modes = positive_ints("in_modes", in_modes)
     out_modes = positive_ints("out_modes", out_modes)
@@ -43,18 +34,10 @@ def tt_svd_with_error(
     return chain_svd(matrix, in_modes + out_modes, max_rank, tolerance)
 
 
-def tt_svd(
-    matrix: Tensor,
-    in_modes: Sequence[int],
-    out_modes: Sequence[int],
-    max_rank: int | Sequence[int] | None = None,
-    tolerance: float | None = None,
-) -> list[Tensor]:
-    """TT-SVD (Oseledets): cores of ``matrix`` (N_in x N_out), truncated by rank and/or error.
-
-    ``max_rank`` is one int or the L-1 internal ranks; ``tolerance`` bounds the relative
-    Frobenius error. With neither, the decomposition is exact.
-    """
+def tt_svd(matrix: Tensor, in_modes: Sequence[int], out_modes: Sequence[int],
+           max_rank: int | Sequence[int] | None = None,
+           tolerance: float | None = None) -> list[Tensor]:
+    """TT-SVD (Oseledets): cores of ``matrix`` (N_in x N_out), truncated by rank and/or error."""
     return tt_svd_with_error(matrix, in_modes, out_modes, max_rank, tolerance)[0]
 
 
@@ -95,9 +78,8 @@ def check_chain(cores: Sequence[Tensor], physical: Sequence[tuple[int, ...]]) ->
         raise ValueError(f"last core must end with rank 1, got {r_prev}")
 
 
-def tt_to_dense(
-    cores: Sequence[Tensor], in_modes: Sequence[int], out_modes: Sequence[int]
-) -> Tensor:
+def tt_to_dense(cores: Sequence[Tensor], in_modes: Sequence[int],
+                out_modes: Sequence[int]) -> Tensor:
     """Rebuild W (N_in x N_out) as L @ R, L = merged input cores, R = merged output cores."""
     in_modes = positive_ints("in_modes", in_modes)
     out_modes = positive_ints("out_modes", out_modes)
@@ -108,20 +90,11 @@ def tt_to_dense(
     return left @ right.reshape(left.shape[1], -1)
 
 
-def random_chain_cores(
-    shapes: Sequence[Sequence[int]],
-    sigma: float,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    generator: torch.Generator | None = None,
-    fan_ins: Sequence[int] | None = None,
-) -> list[Tensor]:
-    """Gaussian cores (last dim = right bond) whose chain product has entry variance sigma^2.
-
-    With ``fan_ins`` each core's std is proportional to ``1 / sqrt(F_k)``, so every core
-    keeps its input's scale (``formats.scaling``); without, ``v_k = sigma^(2/L) / r_k`` with
-    ``r_k`` the right bond. Either way ``var(W_ij) = prod_k v_k * prod_k r_k = sigma^2``.
-    """
+def random_chain_cores(shapes: Sequence[Sequence[int]], sigma: float,
+                       dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                       generator: torch.Generator | None = None,
+                       fan_ins: Sequence[int] | None = None) -> list[Tensor]:
+    """Gaussian cores (last dim = right bond) whose chain product has entry variance sigma^2."""
     if sigma < 0:
         raise ValueError(f"sigma must be >= 0, got {sigma!r}")
     num = len(shapes)
@@ -137,16 +110,11 @@ def random_chain_cores(
     return cores
 
 
-def tt_random_cores(
-    in_modes: Sequence[int],
-    out_modes: Sequence[int],
-    ranks: Sequence[int],
-    sigma: float,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    generator: torch.Generator | None = None,
-    fan_in_init: bool = False,
-) -> list[Tensor]:
+def tt_random_cores(in_modes: Sequence[int], out_modes: Sequence[int], ranks: Sequence[int],
+                    sigma: float, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None,
+                    generator: torch.Generator | None = None,
+                    fan_in_init: bool = False) -> list[Tensor]:
     """Random TT-linear cores with var(W_ij) = sigma^2; ``fan_in_init`` spreads the scale by
     each core's fan-in (``formats.scaling``), else core k has std sigma^(1/L)/sqrt(r_k)."""
     modes = positive_ints("in_modes", in_modes) + positive_ints("out_modes", out_modes)

@@ -1,9 +1,4 @@
-"""TTM (tensor-train matrix) format: cores (r_{k-1}, m_k, n_k, r_k), one per mode pair.
-
-M[i_1..i_d, j_1..j_d] = G_1[i_1, j_1] ... G_d[i_d, j_d] with rows = prod m_k and
-cols = prod n_k, indices mixed radix (first mode most significant). Used for
-embedding tables (rows = vocab) and for linear layers (rows = out_features).
-"""
+"""TTM (tensor-train matrix) format: cores (r_{k-1}, m_k, n_k, r_k), one per mode pair."""
 
 from __future__ import annotations
 
@@ -20,13 +15,9 @@ from .scaling import ttm_fan_ins
 from .tt import check_chain, random_chain_cores
 
 
-def ttm_svd_with_error(
-    matrix: Tensor,
-    row_modes: Sequence[int],
-    col_modes: Sequence[int],
-    max_rank: int | Sequence[int] | None = None,
-    tolerance: float | None = None,
-) -> tuple[list[Tensor], float]:
+def ttm_svd_with_error(matrix: Tensor, row_modes: Sequence[int], col_modes: Sequence[int],
+                       max_rank: int | Sequence[int] | None = None,
+                       tolerance: float | None = None) -> tuple[list[Tensor], float]:
     """TTM-SVD of ``matrix`` plus the absolute Frobenius error bound of the truncation."""
     rows, cols = ttm_mode_pairs(row_modes, col_modes)
     n_rows, n_cols = math.prod(rows), math.prod(cols)
@@ -44,20 +35,15 @@ def ttm_svd_with_error(
     return shaped, err
 
 
-def ttm_svd(
-    matrix: Tensor,
-    row_modes: Sequence[int],
-    col_modes: Sequence[int],
-    max_rank: int | Sequence[int] | None = None,
-    tolerance: float | None = None,
-) -> list[Tensor]:
+def ttm_svd(matrix: Tensor, row_modes: Sequence[int], col_modes: Sequence[int],
+            max_rank: int | Sequence[int] | None = None,
+            tolerance: float | None = None) -> list[Tensor]:
     """TTM cores of ``matrix`` (rows x cols), truncated by rank and/or relative error."""
     return ttm_svd_with_error(matrix, row_modes, col_modes, max_rank, tolerance)[0]
 
 
-def ttm_to_dense(
-    cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int]
-) -> Tensor:
+def ttm_to_dense(cores: Sequence[Tensor], row_modes: Sequence[int],
+                 col_modes: Sequence[int]) -> Tensor:
     """Rebuild the (rows x cols) matrix by contracting the cores pairwise, left to right."""
     rows, cols = ttm_mode_pairs(row_modes, col_modes)
     check_chain(cores, list(zip(rows, cols)))
@@ -72,16 +58,11 @@ def ttm_to_dense(
     return acc.reshape(acc.shape[0], acc.shape[1])
 
 
-def ttm_random_cores(
-    row_modes: Sequence[int],
-    col_modes: Sequence[int],
-    ranks: Sequence[int],
-    sigma: float,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    generator: torch.Generator | None = None,
-    fan_in_init: bool = False,
-) -> list[Tensor]:
+def ttm_random_cores(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
+                     sigma: float, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None,
+                     generator: torch.Generator | None = None,
+                     fan_in_init: bool = False) -> list[Tensor]:
     """Random TTM cores with entry variance sigma^2; ``fan_in_init`` spreads the scale by
     each core's fan-in over ``col_modes`` (``formats.scaling``), else core k has std
     sigma^(1/d)/sqrt(r_k)."""

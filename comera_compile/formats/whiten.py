@@ -1,16 +1,4 @@
-"""Activation-aware decomposition: truncate what a layer's outputs feel, not its weight.
-
-With the input Gram ``G = X^T X = L L^T`` the output error ``||X (W - W_hat)^T||_F`` equals
-``||L^T (M - M_hat)||_F`` for ``M = W^T``, so the decomposition truncates the whitened
-weight ``L^T M`` and maps back with ``L^{-T}`` (SVD-LLM). Low rank folds the map exactly
-into ``U``; TT truncates its middle bond the same way and TT-SVDs each side; TTM, which has
-no such bond, uses a Kronecker product of per-mode Grams.
-
-``damping`` adds that share of the Gram's mean eigenvalue to its diagonal, so directions
-the calibration never excited keep some weight. An embedding table's Gram is its row
-frequencies; rows are weighed by their square root, with a much larger damping
-(``TABLE_DAMPING``) since most rows are never seen in calibration.
-"""
+"""Activation-aware decomposition: truncate what a layer's outputs feel, not its weight."""
 
 from __future__ import annotations
 
@@ -38,9 +26,8 @@ def row_weights(frequencies: Tensor, damping: float = TABLE_DAMPING) -> Tensor:
     return (f + max(damping, 1e-10) * mean).sqrt()
 
 
-def weighted_lowrank_table(
-    table: Tensor, frequencies: Tensor, rank: int, damping: float = TABLE_DAMPING
-) -> tuple[Tensor, Tensor]:
+def weighted_lowrank_table(table: Tensor, frequencies: Tensor, rank: int,
+                           damping: float = TABLE_DAMPING) -> tuple[Tensor, Tensor]:
     """``(A, B)`` with ``A @ B`` the rank-``rank`` table closest to ``table`` in the
     frequency-weighted norm (the output error of lookups at those frequencies)."""
     w = row_weights(frequencies, damping)[:, None]
@@ -110,14 +97,9 @@ def _apply_modes(weight: Tensor, factors: Sequence[Tensor], modes: Sequence[int]
     return t.reshape(rows, -1)
 
 
-def whitened_tt_svd(
-    matrix: Tensor,
-    gram: Tensor,
-    in_modes: Sequence[int],
-    out_modes: Sequence[int],
-    max_rank: int | Sequence[int] | None = None,
-    damping: float = DEFAULT_DAMPING,
-) -> list[Tensor]:
+def whitened_tt_svd(matrix: Tensor, gram: Tensor, in_modes: Sequence[int], out_modes: Sequence[int],
+                    max_rank: int | Sequence[int] | None = None,
+                    damping: float = DEFAULT_DAMPING) -> list[Tensor]:
     """TT cores of ``M`` (``N_in x N_out``, padded) whose middle bond minimises the output
     error on inputs of Gram ``gram``; the other bonds are ordinary TT-SVD truncations."""
     in_modes, out_modes = [int(m) for m in in_modes], [int(m) for m in out_modes]
@@ -146,14 +128,9 @@ def whitened_tt_svd(
     return [c.to(matrix.dtype) for c in (*left_cores, *right_cores)]
 
 
-def whitened_ttm_svd(
-    weight: Tensor,
-    gram: Tensor,
-    out_modes: Sequence[int],
-    in_modes: Sequence[int],
-    max_rank: int | Sequence[int] | None = None,
-    damping: float = DEFAULT_DAMPING,
-) -> list[Tensor]:
+def whitened_ttm_svd(weight: Tensor, gram: Tensor, out_modes: Sequence[int],
+                     in_modes: Sequence[int], max_rank: int | Sequence[int] | None = None,
+                     damping: float = DEFAULT_DAMPING) -> list[Tensor]:
     """TTM cores ``(r, m_k, n_k, r')`` of ``W`` (``out x N_in``, padded) truncated in the
     Kronecker-whitened metric of ``gram``; the inverse factors fold into the input axes."""
     in_modes = [int(m) for m in in_modes]

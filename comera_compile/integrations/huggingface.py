@@ -1,17 +1,7 @@
-"""Rank-adaptive training in Hugging Face ``transformers.Trainer``.
+"""Rank-adaptive training in Hugging Face ``transformers.Trainer``; single process only.
 
-    trainer = RankAdaptiveHFTrainer(
-        model=model, args=TrainingArguments(...), train_dataset=data,
-        rank_adaptation={"target_ratio": 0.3, "early_steps": 400, "prune_every": 50},
-    )
-    trainer.train()
-
-``compute_loss`` adds the rank terms in training; ``RankAdaptiveCallback`` builds the
-``RankAdaptiveTrainer`` once the optimizer exists, with the run's length, and does its
-bookkeeping after every optimizer step. The rank terms weigh once per optimizer step
-whatever the gradient accumulation; the rank trainer's state rides in
-``trainer_state.json`` for resuming. Single process only: under the Trainer's DDP use
-``prune_every=None`` and prune after training.
+    trainer = RankAdaptiveHFTrainer(model=model, args=TrainingArguments(...),
+                                    rank_adaptation={"target_ratio": 0.3})
 """
 
 from __future__ import annotations
@@ -84,11 +74,7 @@ def _saved_rank_state(stored: Any) -> dict[str, Any] | None:
 
 
 class RankAdaptiveHFTrainer(Trainer):
-    """``transformers.Trainer`` whose training loss carries CoMERA's rank terms.
-
-    ``rank_adaptation`` holds ``RankAdaptiveTrainer`` keyword arguments (targets, stages,
-    pruning); the run's length comes from the Trainer.
-    """
+    """``transformers.Trainer`` whose training loss carries CoMERA's rank terms."""
 
     def __init__(self, *args: Any, rank_adaptation: dict[str, Any] | None = None, **kwargs: Any):
         callback = RankAdaptiveCallback(**(rank_adaptation or {}))
@@ -106,9 +92,8 @@ class RankAdaptiveHFTrainer(Trainer):
     def rank_trainer(self) -> RankAdaptiveTrainer | None:
         return self.rank_callback.rank_trainer
 
-    def compute_loss(
-        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, **kwargs
-    ):
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     **kwargs):
         result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         loss, outputs = result if return_outputs else (result, None)
         if self.rank_trainer is not None and model.training:

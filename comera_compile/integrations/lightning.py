@@ -1,12 +1,6 @@
 """Rank-adaptive training in Lightning: one callback, no change to the LightningModule.
 
     trainer = lightning.Trainer(max_steps=800, callbacks=[RankAdaptation(target_ratio=0.3)])
-
-Lightning owns the loss, so just before each optimizer step the callback scales the task
-gradients by the stage's task weight and back-propagates the rank terms (the gradient of
-``w * task_loss + extra``), then does the bookkeeping after the step. The run's length is
-``trainer.estimated_stepping_batches``; the rank trainer's state is the callback's
-``state_dict``. Single device only: under Lightning's DDP use ``prune_every=None``.
 """
 
 from __future__ import annotations
@@ -22,10 +16,7 @@ from comera_compile.training import RankAdaptiveTrainer
 
 
 class RankAdaptation(Callback):
-    """Adds CoMERA's rank terms to a Lightning run and shrinks the model as it trains.
-
-    Keyword arguments go to ``RankAdaptiveTrainer``; ``rank_trainer`` is the result.
-    """
+    """Adds CoMERA's rank terms to a Lightning run and shrinks the model as it trains."""
 
     def __init__(self, **rank_adaptation: Any) -> None:
         self.options = rank_adaptation
@@ -58,11 +49,8 @@ class RankAdaptation(Callback):
             self.rank_trainer.load_state_dict(self._restored)
             self._restored = None
         elif trainer.global_step > 0:
-            warnings.warn(
-                f"resumed at step {trainer.global_step} from a checkpoint without "
-                "rank-adaptation state, so the rank schedule starts again",
-                stacklevel=2,
-            )
+            warnings.warn(f"resumed at step {trainer.global_step} from a checkpoint without "
+                          "rank-adaptation state, so the rank schedule starts again", stacklevel=2)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         weight, extra = self.rank_trainer.rank_terms()

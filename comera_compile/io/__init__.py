@@ -1,10 +1,4 @@
-"""save / load: weights in safetensors, everything else in JSON; nothing runs code on load.
-
-The files and the manifest: ``io.format``; what loading checks: ``io.checks``; rebuilding a
-Hugging Face model from its ``config.json``: ``io.hf``. ``load(dir, model=base)`` re-applies
-the saved rewrite to a freshly built dense ``base`` (as PEFT loads adapters), so
-non-persistent buffers come from the base.
-"""
+"""save / load: weights in safetensors, everything else in JSON; nothing runs code on load."""
 
 from __future__ import annotations
 
@@ -88,12 +82,8 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
             os.remove(old)
 
 
-def load(
-    directory: str | os.PathLike,
-    model: nn.Module | None = None,
-    map_location: str | torch.device = "cpu",
-    verify: bool = True,
-) -> nn.Module:
+def load(directory: str | os.PathLike, model: nn.Module | None = None,
+         map_location: str | torch.device = "cpu", verify: bool = True) -> nn.Module:
     """Load a checkpoint written by ``save`` (or by ``save_pretrained`` on an optimized model).
 
     With ``model`` (a freshly built dense model, the way PEFT loads adapters onto a base, or

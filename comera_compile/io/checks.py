@@ -144,11 +144,9 @@ def _layer_of(layout: dict[str, Any]) -> TensorizedLayer:
     """The layer a layout describes, as ``layer_from_layout`` builds it (sizes only)."""
     ranks = layout["ranks"][1:-1]
     if layout["format"] == TT_EMBEDDING:
-        return TTEmbedding(
-            layout["num_embeddings"], layout["embedding_dim"], ranks=ranks,
-            row_modes=layout["row_modes"], col_modes=layout["col_modes"],
-            cache_rows=layout.get("cache_rows", 0),
-        )
+        return TTEmbedding(layout["num_embeddings"], layout["embedding_dim"], ranks=ranks,
+                           row_modes=layout["row_modes"], col_modes=layout["col_modes"],
+                           cache_rows=layout.get("cache_rows", 0))
     cls = LINEAR_CLASSES[layout["format"]]
     return cls(layout["in_features"], layout["out_features"], ranks=ranks,
                in_modes=layout["in_modes"], out_modes=layout["out_modes"], bias=False)
@@ -210,10 +208,8 @@ def _apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     except (KeyError, TypeError, IndexError, ZeroDivisionError) as exc:  # a field missing
-        raise CheckpointError(
-            f"a layer layout in the checkpoint is damaged ({type(exc).__name__}: "
-            f"{str(exc)[:120]}); save the model again"
-        ) from None
+        raise CheckpointError(f"a layer layout in the checkpoint is damaged ({type(exc).__name__}: "
+                              f"{str(exc)[:120]}); save the model again") from None
 
 
 def _check_saved_layouts(found: dict[str, dict], manifest: dict) -> None:
@@ -301,11 +297,9 @@ def _check_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                              f"mixes {', '.join(sorted(str(d) for d in dtypes))}")
 
 
-REPORT_TYPES = {
-    "capture_path": str, "capture_reason": str, "budget": (str, type(None)),
-    "rank": (int, type(None)), "init": str, "before": dict, "originals": dict,
-    "skipped": dict, "returned": str, "config": (dict, type(None)),
-}
+REPORT_TYPES = {"capture_path": str, "capture_reason": str, "budget": (str, type(None)),
+                "rank": (int, type(None)), "init": str, "before": dict, "originals": dict,
+                "skipped": dict, "returned": str, "config": (dict, type(None))}
 
 
 def _check_report(data: dict[str, Any], model: nn.Module) -> OptimizeReport:
@@ -339,10 +333,7 @@ def _loaded_report(manifest: dict, model: nn.Module) -> OptimizeReport | None:
     try:
         return _check_report({"skipped": {}, **data}, model)
     except Exception as exc:  # noqa: BLE001 - a report is a record: any fault drops it
-        warnings.warn(
-            f"the report in {MANIFEST} does not describe the loaded model "
-            f"({type(exc).__name__}: {str(exc)[:120]}); it was dropped, so summary shows "
-            "the live layers only",
-            stacklevel=3,
-        )
+        warnings.warn(f"the report in {MANIFEST} does not describe the loaded model "
+                      f"({type(exc).__name__}: {str(exc)[:120]}); it was dropped, so summary shows "
+                      "the live layers only", stacklevel=3)
         return None

@@ -1,11 +1,4 @@
-"""The checkpoint's files: names, format versions, the manifest, hashes and atomic writes.
-
-A checkpoint is a directory: ``model-<id>.safetensors`` (the state dict, each tied tensor
-once, every layer's layout in its extra state), ``comera.json`` (the manifest: the current
-weights file with its size and hashes, the sha256 of ``config.json``, the layouts again,
-aliases of tied tensors, the model's class and ``optimize``'s report) and, for Hugging Face
-models, ``config.json``. Replacing the manifest is the one atomic step that commits a save.
-"""
+"""The checkpoint's files: names, format versions, the manifest, hashes and atomic writes."""
 
 from __future__ import annotations
 

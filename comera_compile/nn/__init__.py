@@ -20,20 +20,7 @@ from comera_compile.nn.ttm_linear import TTMLinear
 LEAF_MODULES = (TensorizedLayer, SplitMultiheadAttention, TiedEmbeddingHead)
 """Modules a graph capture keeps whole: their forward picks a plan per batch size."""
 
-__all__ = [
-    "BTTLinear",
-    "CoLALinear",
-    "LEAF_MODULES",
-    "DEFAULT_THRESHOLD",
-    "LayoutMismatchError",
-    "LowRankLinear",
-    "MonarchLinear",
-    "PruneResult",
-    "SplitMultiheadAttention",
-    "TTEmbedding",
-    "TiedEmbeddingHead",
-    "TTLinear",
-    "TTMLinear",
-    "TensorizedLayer",
-    "tensorized_layers",
-]
+__all__ = ["BTTLinear", "CoLALinear", "LEAF_MODULES", "DEFAULT_THRESHOLD", "LayoutMismatchError",
+           "LowRankLinear", "MonarchLinear", "PruneResult", "SplitMultiheadAttention",
+           "TTEmbedding", "TiedEmbeddingHead", "TTLinear", "TTMLinear", "TensorizedLayer",
+           "tensorized_layers"]

@@ -1,12 +1,4 @@
-"""SplitMultiheadAttention: ``nn.MultiheadAttention`` with its four projections as modules.
-
-torch's attention keeps the query / key / value projections packed in one
-``in_proj_weight`` and reads ``out_proj.weight`` without calling ``out_proj``, so no layer of
-it can be swapped. This module computes the same thing (the steps of
-``F.multi_head_attention_forward``: masks, ``add_bias_kv``, ``add_zero_attn``, dropout,
-``need_weights``, ``batch_first``, unbatched inputs) with ``q_proj``, ``k_proj``, ``v_proj``
-and ``out_proj`` as separate Linear modules, which the rewrite may then tensorize.
-"""
+"""SplitMultiheadAttention: ``nn.MultiheadAttention`` with its four projections as modules."""
 
 from __future__ import annotations
 
@@ -74,17 +66,10 @@ class SplitMultiheadAttention(nn.Module):
     def set_extra_state(self, state) -> None:
         pass
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Tensor | None = None, need_weights: bool = True,
+                attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
         key_padding_mask = F._canonical_mask(
             mask=key_padding_mask, mask_name="key_padding_mask",
             other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",

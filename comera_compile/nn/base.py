@@ -1,9 +1,4 @@
-"""What every tensorized layer shares: a chain of cores, rank gates, pruning and layouts.
-
-A layer is a chain of cores ``G_1 .. G_L`` whose first and last axes are rank bonds
-(``r_0 = r_L = 1``), with a gate vector on each of the ``L - 1`` internal bonds. The
-subclasses only say how the chain is laid out (TT, TTM) and how the input meets it.
-"""
+"""What every tensorized layer shares: a chain of cores, rank gates, pruning and layouts."""
 
 from __future__ import annotations
 
@@ -88,11 +83,8 @@ class NoDenseWeight(Tensor):
 
 @dataclass
 class PruneResult:
-    """What ``prune_ranks`` removed.
-
-    ``slices`` lists ``(parameter, dim, kept_indices)`` in the order they were applied, so
-    an optimizer's per-parameter state (AdamW moments) can be sliced the same way.
-    """
+    """What ``prune_ranks`` removed; ``slices`` lists ``(parameter, dim, kept_indices)`` in
+    order, so an optimizer's per-parameter state can be sliced the same way."""
 
     removed: list[int]
     params_before: int
@@ -108,17 +100,7 @@ class PruneResult:
 
 
 def _forget_grad_accumulator(param: nn.Parameter) -> None:
-    """Make autograd drop the gradient accumulator it caches for the leaf ``param``.
-
-    Autograd keeps one accumulator node per leaf, recording the leaf's shape, for as long as
-    any graph that used the leaf is alive (a training loop that still holds last step's
-    loss). Once the leaf shrinks, the next backward would check its gradient against the
-    old shape and fail. PyTorch offers no public call to drop that cache
-    (``torch.utils.swap_tensors`` refuses a leaf the optimizer and graph still reference);
-    ``Variable.set_data`` drops it whenever the assigned data has another dtype, so we
-    assign an empty tensor of another dtype. ``test_prune_while_last_graph_is_alive`` in
-    tests/test_layers.py fails if PyTorch ever changes this.
-    """
+    """Make autograd drop the gradient accumulator it caches for the leaf ``param``."""
     other = torch.float32 if param.dtype == torch.float64 else torch.float64
     param.data = param.data.new_empty(0, dtype=other)
 
@@ -233,14 +215,7 @@ class TensorizedLayer(PlannedLayer, nn.Module):
     # ----- pruning ------------------------------------------------------------------------
     @torch.no_grad()
     def prune_ranks(self, multiple_of: int | None = None) -> PruneResult:
-        """Remove dead rank channels from cores and gates for real; outputs do not change.
-
-        Parameters keep their identity (only ``.data`` shrinks), so optimizers still hold
-        them; use ``PruneResult.slices`` to slice their state the same way.
-        ``multiple_of`` rounds each kept rank up to a multiple (keeping the strongest dead
-        channels, still switched off by their gates), so kernels see aligned shapes and a
-        compiled model meets fewer distinct shapes; default 8 on CUDA, 1 elsewhere.
-        """
+        """Remove dead rank channels from cores and gates for real; outputs do not change."""
         if multiple_of is None:
             multiple_of = 8 if self.cores[0].is_cuda else 1
         if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
@@ -292,9 +267,8 @@ class TensorizedLayer(PlannedLayer, nn.Module):
     def set_extra_state(self, state: Any) -> None:
         self.threshold = float(decode_layout(state).get("threshold", self.threshold))
 
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
-    ):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, errors):
         saved = state_dict.get(prefix + LAYOUT_KEY)
         if saved is not None:
             self._adopt_layout(decode_layout(saved))

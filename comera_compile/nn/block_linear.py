@@ -1,9 +1,5 @@
 """What the block-structured Linear layers share (BTT, Monarch): bias, padding, layout,
-the plan record and a forward of two batched matmuls.
-
-Their forward is fixed (two ``torch.bmm`` over the blocks, the reference code's order), so
-there is no contraction order to plan: ``plans()`` reports that one program and its cost.
-"""
+the plan record and a forward of two batched matmuls."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""BTTLinear: a Linear layer whose weight is a Block Tensor-Train of two cores.
-
-``formats.btt`` holds the math (Qiu et al., ICML 2024). The layer adds what every
-tensorized layer has: a rank gate on the bond between the cores (so ``prune_ranks`` shrinks
-both cores for real), the reference's structure-aware (muP) init, fan-ins from which
-``training.param_groups`` derives each core's learning rate, checkpoints that carry the
-layout, and ``from_dense`` (per-block truncated SVD, the best BTT of the weight).
-"""
+"""BTTLinear: a Linear layer whose weight is a Block Tensor-Train of two cores."""
 
 from __future__ import annotations
 
@@ -85,14 +78,9 @@ class BTTLinear(BlockLinear):
         return float((gram_left * gram_right).sum().clamp_min(0).sqrt())
 
     @classmethod
-    def from_dense(
-        cls,
-        module: nn.Linear,
-        ranks: int | Sequence[int] | None = None,
-        tolerance: float | None = None,
-        gram: Tensor | None = None,
-        **kwargs,
-    ) -> BTTLinear:
+    def from_dense(cls, module: nn.Linear, ranks: int | Sequence[int] | None = None,
+                   tolerance: float | None = None, gram: Tensor | None = None,
+                   **kwargs) -> BTTLinear:
         """The BTT closest to ``module``'s weight at ``ranks`` (per-block truncated SVD;
         exact at the default, the rank that holds every matrix), or the least rank within
         the relative error ``tolerance``. ``gram`` (an input Gram) is not used: the

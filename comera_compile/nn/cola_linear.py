@@ -1,13 +1,4 @@
-"""CoLALinear: a low-rank layer with a nonlinearity on its bond, ``y = silu(x U) diag(g) V``.
-
-CoLA (Liu et al., 2025) puts the activation between the two factors, which lets a low-rank
-layer match full-rank pretraining at about half the compute. Factors, gate, pruning and
-layout are ``LowRankLinear``'s; being no linear map, the layer trains from scratch only.
-Its backward (:class:`_CoLAProduct`) keeps the input and ``z = x U`` only and remakes the
-rest of the bond from ``z``, as CoLA-M does; the bond product is the op
-:func:`bond_product`, so a selective checkpoint can keep exactly it
-(``compile.bond_recompute``).
-"""
+"""CoLALinear: a low-rank layer with a nonlinearity on its bond, ``y = silu(x U) diag(g) V``."""
 
 from __future__ import annotations
 

@@ -42,29 +42,13 @@ class PlannedLinearMixin(LinearShape, PlannedLayer):
     autotune: bool = False
 
     @classmethod
-    def from_dense(
-        cls,
-        module: nn.Linear,
-        ranks: int | Sequence[int] | None = None,
-        tolerance: float | None = None,
-        gram: Tensor | None = None,
-        **kwargs,
-    ):
+    def from_dense(cls, module: nn.Linear, ranks: int | Sequence[int] | None = None,
+                   tolerance: float | None = None, gram: Tensor | None = None, **kwargs):
         """The layer's decomposition of a Linear's weight (TT-SVD or TTM-SVD), truncated to
         ``ranks`` and/or the relative error ``tolerance`` (exact when neither is given).
-
-        ``gram``: the ``(in, in)`` Gram ``X^T X`` of the inputs the layer sees; the truncation
-        then minimises the output error on them instead of the weight's (``formats.whiten``;
-        ranks only, no ``tolerance``)."""
-        layer = cls(
-            module.in_features,
-            module.out_features,
-            ranks=1,
-            bias=module.bias is not None,
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-            **kwargs,
-        )
+        ``gram``, the inputs' ``X^T X``, truncates the output error instead (``formats.whiten``)."""
+        layer = cls(module.in_features, module.out_features, ranks=1, bias=module.bias is not None,
+                    device=module.weight.device, dtype=module.weight.dtype, **kwargs)
         weight = module.weight.detach()
         if gram is not None and tolerance is None:
             cores = layer.decompose_whitened(weight, ranks, gram)
@@ -133,15 +117,9 @@ class PlannedLinearMixin(LinearShape, PlannedLayer):
         rows = x2.shape[0]
         dtype = output_dtype(x)  # as nn.Linear: the autocast dtype for every plan and size
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
-            y = planned_contract(
-                x2.reshape(rows, *self.in_modes),
-                self.network_cores(rows),
-                self.format,
-                self.in_modes,
-                self.out_modes,
-                self.objective,
-                self.autotune,
-            )
+            y = planned_contract(x2.reshape(rows, *self.in_modes), self.network_cores(rows),
+                                 self.format, self.in_modes, self.out_modes, self.objective,
+                                 self.autotune)
             return self._finish(y, lead).to(dtype)
         plan = self.plan_for(rows, x.dtype, x.device.type)
         # the bias rides in the last matmul when the output needs no un-padding

@@ -32,14 +32,9 @@ class LinearShape:
         return self.in_features
 
     def layout(self) -> dict[str, Any]:
-        return {
-            **super().layout(),
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "in_modes": list(self.in_modes),
-            "out_modes": list(self.out_modes),
-            "bias": self.bias is not None,
-        }
+        return {**super().layout(), "in_features": self.in_features,
+                "out_features": self.out_features, "in_modes": list(self.in_modes),
+                "out_modes": list(self.out_modes), "bias": self.bias is not None}
 
     def _init_linear(self, in_features: int, out_features: int, in_modes: Sequence[int],
                      out_modes: Sequence[int], bias: bool) -> None:
@@ -65,19 +60,12 @@ class RandomLinear(LinearShape):
     format: str
     default_ranks: int = 1
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        ranks: int | Sequence[int] | None = None,
-        in_modes: Sequence[int] | None = None,
-        out_modes: Sequence[int] | None = None,
-        bias: bool = True,
-        order: int | None = None,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int,
+                 ranks: int | Sequence[int] | None = None, in_modes: Sequence[int] | None = None,
+                 out_modes: Sequence[int] | None = None, bias: bool = True,
+                 order: int | None = None, threshold: float = DEFAULT_THRESHOLD,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         """``ranks``: every internal bond's rank, or one per bond (None: the format's
         ``default_ranks``); ``in_modes`` / ``out_modes`` / ``order``: the layout
         (``formats.chain_layout`` picks what is not given)."""

@@ -1,11 +1,4 @@
-"""LowRankLinear: the plain low-rank factorization ``W = U V`` as a TT with one mode per side.
-
-A TT-linear chain of order 1 has two cores, ``U`` (``in_features x r``) and ``V``
-(``r x out_features``), and one rank bond between them: exactly the LoRA / CoLA low-rank
-layer. Expressing it through the TT machinery gives it the same rank gate, pruning,
-planner, checkpoints and compile path as every other layer. It is the fastest format per
-input row (two thin matmuls) but loses accuracy first at high compression.
-"""
+"""LowRankLinear: the plain low-rank factorization ``W = U V`` as a TT with one mode per side."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """MonarchLinear: a Linear layer whose weight is a Monarch matrix (two block-diagonal
-factors and a fixed permutation, ``formats.monarch``).
-
-Monarch has no rank bond: its size is its block count, fixed when the layer is built. So
-it has no gate, ``prune_ranks`` removes nothing, and the rank-adaptive trainer passes it by
-(its factors still train, with the learning rates ``training.param_groups`` derives from
-their fan-ins). Init is the reference's muP, each factor's std from its own block sizes.
-"""
+factors and a fixed permutation, ``formats.monarch``)."""
 
 from __future__ import annotations
 
@@ -94,14 +88,9 @@ class MonarchLinear(BlockLinear):
         return monarch_to_dense(self.cores[0], self.cores[1])
 
     @classmethod
-    def from_dense(
-        cls,
-        module: nn.Linear,
-        ranks: int | Sequence[int] | None = None,
-        tolerance: float | None = None,
-        gram: Tensor | None = None,
-        **kwargs,
-    ) -> MonarchLinear:
+    def from_dense(cls, module: nn.Linear, ranks: int | Sequence[int] | None = None,
+                   tolerance: float | None = None, gram: Tensor | None = None,
+                   **kwargs) -> MonarchLinear:
         """The Monarch matrix closest to ``module``'s weight (Dao et al.'s projection: each
         block's truncated SVD). ``ranks``, ``tolerance`` and ``gram`` do not apply: the block
         count (``blocks=`` or the modes) sets the size."""

@@ -1,10 +1,4 @@
-"""How a layer picks and reports its plan: one cache per layer, keyed by row bucket.
-
-Every planned layer (TTLinear, TTMLinear, TTEmbedding, the tied head) answers
-``plan_for(rows, dtype, device_type)`` and ``plan_record(name, batch_size, dtype,
-device_type)`` through this mixin; a layer only says how to build a plan for a bucket
-(``_new_plan``) and what the dense layer it replaces would cost (``dense_macs``).
-"""
+"""How a layer picks and reports its plan: one cache per layer, keyed by row bucket."""
 
 from __future__ import annotations
 
@@ -31,9 +25,8 @@ class PlannedLayer:
         """A tensor whose dtype and device the plans default to (the first core)."""
         return self.cores[0]
 
-    def plan_for(
-        self, rows: int, dtype: torch.dtype | None = None, device_type: str | None = None
-    ) -> ForwardPlan:
+    def plan_for(self, rows: int, dtype: torch.dtype | None = None,
+                 device_type: str | None = None) -> ForwardPlan:
         """The cached plan for this many rows (bucketed to a power of two); dtype and device
         default to the cores'."""
         if dtype is None or device_type is None:
@@ -46,13 +39,8 @@ class PlannedLayer:
             plan = self._plans[key] = self._new_plan(*key)
         return plan
 
-    def plan_record(
-        self,
-        name: str,
-        batch_size: int,
-        dtype: torch.dtype | None = None,
-        device_type: str | None = None,
-    ) -> PlanRecord:
+    def plan_record(self, name: str, batch_size: int, dtype: torch.dtype | None = None,
+                    device_type: str | None = None) -> PlanRecord:
         """Which plan runs for ``batch_size`` rows, and what it costs against dense."""
         plan = self.plan_for(batch_size, dtype, device_type)
         return record_plan(name, plan, self.dense_macs(batch_size), batch_size)

@@ -1,12 +1,4 @@
-"""Hot-row cache of a TT embedding table: its most frequent rows kept as a small dense table.
-
-As in TT-Rec (Yin et al., MLSys 2021), under a power law a few thousand rows take most
-lookups, so keeping them dense lets the cores build far fewer rows per step. The cached set
-is chosen once (from the first training batches' ids, or ``fill_cache``) and fixed: a
-trained cached row is a free parameter the cores could not hold, so none is evicted. A
-lookup reads the cache or the cores, never both, found by a binary search over the sorted
-cached ids (a table-sized id -> slot map would cost more than compressed cores).
-"""
+"""Hot-row cache of a TT embedding table: its most frequent rows kept as a small dense table."""
 
 from __future__ import annotations
 
@@ -21,11 +13,7 @@ EMPTY = -1
 
 
 def split_by_cache(cache_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(slots of the hits, positions of the hits, positions of the misses)`` in ``ids``.
-
-    ``cache_ids`` is sorted (empty slots, ``EMPTY``, first), so each id finds its slot by
-    binary search; an id is a hit when the slot holds it.
-    """
+    """``(slots of the hits, positions of the hits, positions of the misses)`` in ``ids``."""
     slot = torch.searchsorted(cache_ids, ids).clamp_(max=cache_ids.numel() - 1)
     hit = cache_ids.index_select(0, slot) == ids
     hits = hit.nonzero().squeeze(1)
@@ -34,10 +22,7 @@ def split_by_cache(cache_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tens
 
 
 def top_rows(ids: Tensor, counts: Tensor | None, capacity: int) -> Tensor:
-    """The at most ``capacity`` most counted distinct ids, sorted (ties: the smaller id).
-
-    ``counts`` (one per entry of ``ids``, ids may repeat) default to one per occurrence.
-    """
+    """The at most ``capacity`` most counted distinct ids, sorted (ties: the smaller id)."""
     ids = ids.reshape(-1).long()
     weights = torch.ones_like(ids) if counts is None else counts.reshape(-1).long()
     if weights.numel() != ids.numel():
@@ -51,11 +36,7 @@ def top_rows(ids: Tensor, counts: Tensor | None, capacity: int) -> Tensor:
 
 
 class RowCache(nn.Embedding):
-    """The cached rows (``weight``) and the ids they hold (``ids``, sorted, ``EMPTY`` first).
-
-    An ``nn.Embedding``, so that DDP, optimizers that split sparse from dense parameters and
-    anything else that knows sparse tables treat its gradient as a sparse table's.
-    """
+    """The cached rows (``weight``) and the ids they hold (``ids``, sorted, ``EMPTY`` first)."""
 
     def __init__(self, rows: int, dim: int, sparse: bool, dtype: torch.dtype,
                  device: torch.device | str) -> None:

@@ -1,12 +1,4 @@
-"""TiedEmbeddingHead: an output projection that shares its tensorized embedding's cores.
-
-Language models tie the LM head to the token embedding (``logits = h @ E^T``). Once ``E`` is
-a TT embedding, the head reads the same cores: ``E^T`` as a TTM chain is a Linear from the
-embedding dim (the cores' column modes) to the vocabulary (their row modes), so the logits
-are one planned contraction of ``h`` with the embedding's gated cores. No dense ``E`` is ever
-built, the tie holds through training and rank pruning, and the head adds no parameters but
-its bias (if it had one).
-"""
+"""TiedEmbeddingHead: an output projection that shares its tensorized embedding's cores."""
 
 from __future__ import annotations
 

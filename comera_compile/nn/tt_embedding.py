@@ -1,16 +1,6 @@
-"""TTEmbedding: an embedding table (or bag) stored as a TTM chain, looked up without the table.
-
-Cores are ``(r_{k-1}, m_k, n_k, r_k)``, ``m`` the vocabulary modes and ``n`` the
-embedding-dim modes. Ids are de-duplicated, each distinct row is built from gathered slices
-of two pre-merged halves of the chain (the planner picks the split), then scattered back;
-bags are pooled on those rows. Nothing in forward or backward is table-sized.
-
-The gradient is the cores', small and dense, so ``sparse=True`` needs nothing special and
-``torch.optim.SparseAdam`` gets an error naming the optimizers to use. ``cache_rows`` adds
-TT-Rec's hot-row cache (``nn.row_cache``), whose fixed rows train with sparse gradients
-where the table declared ``sparse=True``; a table with a cache is a graph break when
-compiled, since which ids hit is data.
-"""
+"""TTEmbedding: an embedding table (or bag) stored as a TTM chain, looked up without the table:
+distinct ids' rows are built from two pre-merged halves of the chain, so nothing in forward or
+backward is table-sized."""
 
 from __future__ import annotations
 
@@ -75,25 +65,13 @@ class TTEmbedding(TensorizedLayer):
     core), so under a memory-lean step they would be the largest thing it keeps; a
     recommender's step, whose lookups are its work, keeps them."""
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        ranks: int | Sequence[int] = 32,
-        padding_idx: int | None = None,
-        mode: str | None = None,
-        row_modes: Sequence[int] | None = None,
-        col_modes: Sequence[int] | None = None,
-        order: int | None = None,
-        dedup: bool = True,
-        include_last_offset: bool = False,
-        sparse: bool = False,
-        threshold: float = DEFAULT_THRESHOLD,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        cache_rows: int = 0,
-        cache_warmup: int = DEFAULT_WARMUP,
-    ) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, ranks: int | Sequence[int] = 32,
+                 padding_idx: int | None = None, mode: str | None = None,
+                 row_modes: Sequence[int] | None = None, col_modes: Sequence[int] | None = None,
+                 order: int | None = None, dedup: bool = True, include_last_offset: bool = False,
+                 sparse: bool = False, threshold: float = DEFAULT_THRESHOLD,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 cache_rows: int = 0, cache_warmup: int = DEFAULT_WARMUP) -> None:
         chain = chain_layout(
             self.format, num_embeddings, embedding_dim, ranks, row_modes, col_modes, order
         )
@@ -133,14 +111,9 @@ class TTEmbedding(TensorizedLayer):
 
     def layout(self) -> dict:
         extra = {"cache_rows": self.cache_rows} if self.cache_rows else {}
-        return {
-            **super().layout(),
-            "num_embeddings": self.num_embeddings,
-            "embedding_dim": self.embedding_dim,
-            "row_modes": list(self.row_modes),
-            "col_modes": list(self.col_modes),
-            **extra,
-        }
+        return {**super().layout(), "num_embeddings": self.num_embeddings,
+                "embedding_dim": self.embedding_dim, "row_modes": list(self.row_modes),
+                "col_modes": list(self.col_modes), **extra}
 
     # ----- hot-row cache ------------------------------------------------------------------
     def set_cache(self, rows: int, warmup: int = DEFAULT_WARMUP) -> None:
@@ -259,21 +232,16 @@ class TTEmbedding(TensorizedLayer):
         order[misses] = torch.arange(hits.numel(), ids.numel(), device=ids.device)
         return torch.cat([cached.to(built.dtype), built]), order
 
-    def forward(
-        self,
-        input: Tensor,
-        offsets: Tensor | None = None,
-        per_sample_weights: Tensor | None = None,
-    ) -> Tensor:
+    def forward(self, input: Tensor, offsets: Tensor | None = None,
+                per_sample_weights: Tensor | None = None) -> Tensor:
         """Rows like ``nn.Embedding``, or pooled bags like ``nn.EmbeddingBag`` (2-d ``input``
         of fixed-size bags, or 1-d ``input`` with ``offsets``)."""
         if self.cache is not None:  # which ids hit is data: eager even when compiled
             return _eager_forward(self, input, offsets, per_sample_weights)
         return self._forward(input, offsets, per_sample_weights)
 
-    def _forward(
-        self, input: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None
-    ) -> Tensor:
+    def _forward(self, input: Tensor, offsets: Tensor | None,
+                 per_sample_weights: Tensor | None) -> Tensor:
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"TTEmbedding expects integer ids, got {input.dtype}")
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
@@ -313,19 +281,12 @@ class TTEmbedding(TensorizedLayer):
             return F.embedding(index, table).reshape(*input.shape, self.embedding_dim)
         if self._plain_bags(input, offsets, per_sample_weights, padding):
             return self._pool_fixed_bags(index, table, input.shape)
-        return F.embedding_bag(
-            index.reshape(input.shape),
-            table,
-            offsets,
-            mode=self.mode,
-            per_sample_weights=per_sample_weights,
-            include_last_offset=self.include_last_offset,
-            padding_idx=padding,
-        )
+        return F.embedding_bag(index.reshape(input.shape), table, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights,
+                               include_last_offset=self.include_last_offset, padding_idx=padding)
 
-    def _plain_bags(
-        self, input: Tensor, offsets: Tensor | None, weights: Tensor | None, padding: int | None
-    ) -> bool:
+    def _plain_bags(self, input: Tensor, offsets: Tensor | None, weights: Tensor | None,
+                    padding: int | None) -> bool:
         """Fixed-size bags summed or averaged, nothing masked or weighted."""
         return (input.dim() == 2 and offsets is None and weights is None and padding is None
                 and self.mode in ("sum", "mean"))
@@ -344,11 +305,7 @@ class TTEmbedding(TensorizedLayer):
         self._cache_filled = None if self.cache_rows else False  # read from the loaded ids
 
     def _check_ids(self, flat: Tensor, eager: bool) -> None:
-        """Out-of-range ids would silently read padding rows of the TTM chain: refuse them.
-
-        Eagerly one host read gives both bounds for the message; while compiled (or under
-        CUDA Graph capture) one fused device-side assert checks them without a sync.
-        """
+        """Out-of-range ids would silently read padding rows of the TTM chain: refuse them."""
         if not flat.numel():
             return
         if not eager:
@@ -372,28 +329,14 @@ class TTEmbedding(TensorizedLayer):
         return table
 
     @classmethod
-    def from_dense(
-        cls,
-        module: nn.Embedding | nn.EmbeddingBag,
-        ranks: int | Sequence[int] | None = None,
-        tolerance: float | None = None,
-        row_frequencies: Tensor | None = None,
-        **kwargs,
-    ) -> TTEmbedding:
-        """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``).
-
-        ``row_frequencies`` (how often each row is looked up, e.g. counted on example
-        batches) makes the truncation keep what lookups at those frequencies see
-        (``formats.whiten``); it needs the low-rank layout (``lowrank_table_modes``).
-        """
-        layer = cls(
-            module.num_embeddings,
-            module.embedding_dim,
-            ranks=1,
-            device=module.weight.device,
-            dtype=module.weight.dtype,
-            **{**dense_options(module), **kwargs},
-        )
+    def from_dense(cls, module: nn.Embedding | nn.EmbeddingBag,
+                   ranks: int | Sequence[int] | None = None, tolerance: float | None = None,
+                   row_frequencies: Tensor | None = None, **kwargs) -> TTEmbedding:
+        """TTM-SVD of an embedding table (full rank when neither ``ranks`` nor ``tolerance``);
+        ``row_frequencies`` keeps what lookups at those frequencies see (``formats.whiten``)."""
+        layer = cls(module.num_embeddings, module.embedding_dim, ranks=1,
+                    device=module.weight.device, dtype=module.weight.dtype,
+                    **{**dense_options(module), **kwargs})
         rows, cols = layer.padded_shape
         table = zero_pad(module.weight.detach(), rows, cols)
         if row_frequencies is None:
@@ -446,12 +389,9 @@ def weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tenso
 def dense_options(module: nn.Embedding | nn.EmbeddingBag) -> dict:
     """The settings of a dense table that its TT replacement keeps (keyword arguments)."""
     bag = isinstance(module, nn.EmbeddingBag)
-    return {
-        "padding_idx": module.padding_idx,
-        "mode": module.mode if bag else None,
-        "include_last_offset": bool(bag and module.include_last_offset),
-        "sparse": bool(module.sparse),
-    }
+    return {"padding_idx": module.padding_idx, "mode": module.mode if bag else None,
+            "include_last_offset": bool(bag and module.include_last_offset),
+            "sparse": bool(module.sparse)}
 
 
 _sparse_adam_watched = False

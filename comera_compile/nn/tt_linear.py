@@ -1,9 +1,4 @@
-"""TTLinear: a Linear layer whose weight lives as a tensor-train chain (CoMERA's TT format).
-
-``W`` (``N_in x N_out``, i.e. ``nn.Linear.weight.T``) is a chain of cores over the input
-modes then the output modes. The forward is a contraction of the input with the gated
-cores in the order the planner chose for this batch size; the dense weight is never built.
-"""
+"""TTLinear: a Linear layer whose weight lives as a tensor-train chain (CoMERA's TT format)."""
 
 from __future__ import annotations
 

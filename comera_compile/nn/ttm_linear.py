@@ -1,9 +1,4 @@
-"""TTMLinear: a Linear layer in tensor-train-matrix form, one core per (out, in) mode pair.
-
-Cores are ``(r_{k-1}, m_k, n_k, r_k)`` with ``m`` the output modes and ``n`` the input
-modes of ``nn.Linear.weight`` (``out x in``). Fewer, fatter cores than TT: the chain is
-half as long, which suits small batches where sweeping the input through it is cheap.
-"""
+"""TTMLinear: a Linear layer in tensor-train-matrix form, one core per (out, in) mode pair."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Allocate: the ranks of every layer (or dense) so the model spends its budget where it helps.
-
-Greedy marginal allocation: every layer starts in its cheapest state, then the move (one
-bond up, the whole rank up, or back to dense) with the largest loss reduction per unit of
-budget that fits is taken, until none fits. TT layers first stay ``MIN_COMPRESSION`` times
-smaller than dense; when that leaves over 5% of the budget unspent, any smaller TT layer
-is allowed.
-"""
+"""Allocate: the ranks of every layer (or dense) so the model spends its budget where it helps."""
 
 from __future__ import annotations
 
@@ -24,11 +17,7 @@ FILL = 0.95  # a budget counts as spent from this share up
 
 @dataclass
 class LayerPlan:
-    """What the allocator needs to know about one eligible layer.
-
-    ``change(ranks)``: change of each total ("params", "bytes", "macs") against the dense layer
-    (``None`` = dense, all zeros). ``loss(ranks)``: the objective's loss of that state.
-    """
+    """What the allocator needs to know about one eligible layer."""
 
     name: str
     chain_dims: tuple[int, ...]
@@ -166,9 +155,8 @@ def _changed(old: Ranks, new: Ranks) -> set[int]:
     return {k for k, (a, b) in enumerate(zip(old, new)) if a != b}
 
 
-def cheapest_states(
-    plans: list[LayerPlan], limits: dict[str, float], metric: str | None = None
-) -> list[Ranks | None]:
+def cheapest_states(plans: list[LayerPlan], limits: dict[str, float],
+                    metric: str | None = None) -> list[Ranks | None]:
     """Each layer at rank 1 or dense, whichever costs less of the budget (or of ``metric``)."""
     states = []
     for plan in plans:
@@ -185,13 +173,9 @@ def cheapest_states(
     return states
 
 
-def allocate(
-    plans: list[LayerPlan], base: dict[str, float], limits: dict[str, float]
-) -> list[Ranks | None] | None:
-    """Ranks for every plan (``None`` = stays dense) meeting ``limits``; None if unreachable.
-
-    ``base``: the totals of the model with every layer dense.
-    """
+def allocate(plans: list[LayerPlan], base: dict[str, float],
+             limits: dict[str, float]) -> list[Ranks | None] | None:
+    """Ranks for every plan (``None`` = stays dense) meeting ``limits``; None if unreachable."""
     alloc = _Allocator(plans, base, limits)
     starts = [cheapest_states(plans, limits)]
     starts += [cheapest_states(plans, limits, m) for m in limits]
@@ -207,9 +191,8 @@ def allocate(
     return alloc.states
 
 
-def totals_of(
-    plans: list[LayerPlan], states: list[Ranks | None], base: dict[str, float | None]
-) -> dict[str, float | None]:
+def totals_of(plans: list[LayerPlan], states: list[Ranks | None],
+              base: dict[str, float | None]) -> dict[str, float | None]:
     """The model's totals with each plan in its state."""
     totals = dict(base)
     for plan, state in zip(plans, states):

@@ -1,10 +1,4 @@
-"""Attention: split every ``nn.MultiheadAttention`` so its projections can be tensorized.
-
-Before selection each ``nn.MultiheadAttention`` becomes an equal ``SplitMultiheadAttention``
-whose ``q_proj`` / ``k_proj`` / ``v_proj`` / ``out_proj`` are plain Linear layers, so the
-usual passes see (and may choose) them. After the rewrite, an attention none of whose
-projections was tensorized goes back to the original module and its fused kernels.
-"""
+"""Attention: split every ``nn.MultiheadAttention`` so its projections can be tensorized."""
 
 from __future__ import annotations
 
@@ -29,12 +23,8 @@ def split_attention(model: nn.Module) -> dict[str, nn.MultiheadAttention]:
     return originals
 
 
-def restore_untouched(
-    model: nn.Module,
-    originals: dict[str, nn.MultiheadAttention],
-    chosen: Collection[str],
-    skipped: dict[str, str],
-) -> None:
+def restore_untouched(model: nn.Module, originals: dict[str, nn.MultiheadAttention],
+                      chosen: Collection[str], skipped: dict[str, str]) -> None:
     """Put back each original attention none of whose projections is ``chosen``; its four
     projection entries in ``skipped`` become one entry for the attention."""
     for name, original in originals.items():

@@ -1,10 +1,4 @@
-"""Budget: how small the optimized model must be, as one config object.
-
-``parse_budget`` turns each short form into a ``Budget``: ``0.05`` (a share to keep),
-``1_500_000`` (parameters), ``"20MB"`` (bytes), ``"5%"``, ``"40x"`` (a compression ratio).
-A bare int of at most ``SMALLEST_INT_BUDGET`` reads like a share or a ratio, so it is
-refused with the spellings meant; ``Budget(params=N)`` states a small count on purpose.
-"""
+"""Budget: how small the optimized model must be, as one config object."""
 
 from __future__ import annotations
 
@@ -20,10 +14,8 @@ ACCEPTED = (
 SMALLEST_INT_BUDGET = 100
 """Bare int budgets up to this are refused (``Budget(params=N)`` states a count)."""
 
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 

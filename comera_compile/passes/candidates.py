@@ -42,12 +42,7 @@ def layer_kind(module: nn.Module) -> str | None:
 
 @dataclass
 class Candidate:
-    """One layer that could become a tensorized layer.
-
-    Every kind is read as a matrix ``in_features x out_features``: for an embedding table
-    that is ``num_embeddings x embedding_dim`` (the vocabulary is ``in_features``), so the
-    passes treat Linear and Embedding alike; ``LayerSpec`` carries the same convention.
-    """
+    """One layer that could become a tensorized layer."""
 
     name: str
     module: nn.Module
@@ -153,12 +148,10 @@ def find_candidates(model: nn.Module, weight_reads: set[str] = frozenset()) -> l
             continue
         name, *aliases = names[key]
         cand = Candidate(name, module, kind, *_features(module, kind), aliases=aliases)
-        tied = sorted(
-            other
-            for p in module.parameters(recurse=False)
-            for other in owners[id(p)]
-            if other != name
-        )
+        tied = sorted(other
+                      for p in module.parameters(recurse=False)
+                      for other in owners[id(p)]
+                      if other != name)
         group = _tied_group(module, kind, tied, by_name)
         embedding = _tied_embedding(module, tied, by_name)
         if weight_reads.intersection((name, *aliases)):

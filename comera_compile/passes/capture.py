@@ -1,11 +1,4 @@
-"""Capture: get a graph of the model's forward to learn which layers it really calls.
-
-The graph is for analysis only: the rewrite swaps modules in the user's model, which
-keeps its class and Python forward. ``torch.fx.symbolic_trace`` is tried first, then
-``torch.export`` (non-strict) for models that do not trace. ``exact_graph_module`` builds a
-``GraphModule`` stand-in only where the graph is the same in training and eval mode and
-the forward has no optional arguments.
-"""
+"""Capture: get a graph of the model's forward to learn which layers it really calls."""
 
 from __future__ import annotations
 
@@ -101,10 +94,8 @@ def trace_fx(model: nn.Module) -> tuple[torch.fx.GraphModule | None, str]:
         return None, f"torch.fx.symbolic_trace failed ({shorten(exc)})"
     optional = _optional_arguments(model)
     if optional:
-        return None, (
-            f"forward has optional arguments ({', '.join(optional)}) whose branches a "
-            "symbolic trace would freeze"
-        )
+        return None, (f"forward has optional arguments ({', '.join(optional)}) whose branches a "
+                      "symbolic trace would freeze")
     return graph_module, ""
 
 

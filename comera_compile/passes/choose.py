@@ -1,10 +1,4 @@
-"""Choose: the format of each pretrained Linear layer, by its output error at its size.
-
-The allocator sizes every layer in low rank; each Linear with an input Gram is then also
-built in TT and TTM at the same parameters (``formats.whiten``) and keeps the format whose
-outputs on the recorded inputs are closest to the dense layer's. A format set in
-``layer_config`` is kept.
-"""
+"""Choose: the format of each pretrained Linear layer, by its output error at its size."""
 
 from __future__ import annotations
 
@@ -51,11 +45,8 @@ def largest_spec(cand: Candidate, fmt: str, params: int) -> LayerSpec | None:
     return make_spec(cand, fmt, lo, ins, outs)
 
 
-def choose_formats(
-    chosen: dict[str, tuple[Candidate, LayerSpec]],
-    grams: dict[str, Tensor],
-    keep: set[str],
-) -> dict[str, str]:
+def choose_formats(chosen: dict[str, tuple[Candidate, LayerSpec]], grams: dict[str, Tensor],
+                   keep: set[str]) -> dict[str, str]:
     """Swap each chosen low-rank or TT Linear layer (not in ``keep``) to the format of least
     output error at no more parameters; in place. Returns why each layer has its format."""
     reasons = {}

@@ -1,13 +1,4 @@
-"""Eligibility: which layers may be tensorized, in which format, order and rank cap.
-
-Layers too small to win, small classifier heads, narrow layers (at most 16 inputs or
-outputs: one TT bond would cap their rank), layers the forward never calls and anything
-the user excluded stay dense, each with its reason. Small ``sparse=True`` tables are held
-dense while the budget can be met without them, and so, training from scratch, are a
-language model's token embedding and output head (``hold_token_ends``). What is left
-becomes an :class:`Option`: the layer with its format, modes and rank cap, which
-``select`` then sizes.
-"""
+"""Eligibility: which layers may be tensorized, in which format, order and rank cap."""
 
 from __future__ import annotations
 
@@ -79,11 +70,8 @@ class Option:
     def delta(self, spec: LayerSpec) -> dict[str, int]:
         """Change of each total when this layer becomes ``spec``."""
         elsize = self.cand.weight.element_size()
-        change = {
-            "params": spec.params - self.cand.dense_params,
-            "bytes": spec.params * elsize - self.cand.dense_bytes,
-            "macs": 0,
-        }
+        change = {"params": spec.params - self.cand.dense_params,
+                  "bytes": spec.params * elsize - self.cand.dense_bytes, "macs": 0}
         if self.shape is not None:
             change["macs"] = spec.macs(self.shape.total_rows, self.shape.calls) - dense_macs(
                 self.cand, self.shape
@@ -188,16 +176,7 @@ def _held_dense(cand: Candidate) -> str:
 
 def hold_token_ends(options: list[Option], model: nn.Module) -> None:
     """Training from scratch, hold a language model's token embedding and output head dense
-    unless the budget cannot be met without them.
-
-    CoLA and the BTT papers compress the blocks and keep both ends dense: a compressed head
-    caps the rank of the logits, and an embedding's rows are read, not multiplied, so
-    compressing them saves no arithmetic. Held only where the two are a small share of
-    the model (``TOKEN_ENDS_SHARE``; a large vocabulary's ends compete like every layer,
-    and a rank-adaptive trainer can still shrink the model below the budget it started
-    at). Found as Hugging Face's ``get_input_embeddings()`` /
-    ``get_output_embeddings()``; a selection the user made (``include``, ``filter_fn``,
-    ``layer_config``) is kept as made."""
+    unless the budget cannot be met without them."""
     ends: list[nn.Module] = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
@@ -216,18 +195,11 @@ def hold_token_ends(options: list[Option], model: nn.Module) -> None:
                        "from scratch: kept dense unless the budget needs it, or include it")
 
 
-def eligible_options(
-    candidates: list[Candidate],
-    shapes: dict[str, LayerShape] | None,
-    called: set[str] | None,
-    include: Names,
-    exclude: Names,
-    filter_fn: Callable[[nn.Module, str], bool] | None,
-    layer_config: dict[str, dict] | None,
-    fmt: str,
-    max_rank: int | None,
-    named: bool = False,
-) -> tuple[list[Option], dict[str, str]]:
+def eligible_options(candidates: list[Candidate], shapes: dict[str, LayerShape] | None,
+                     called: set[str] | None, include: Names, exclude: Names,
+                     filter_fn: Callable[[nn.Module, str], bool] | None,
+                     layer_config: dict[str, dict] | None, fmt: str, max_rank: int | None,
+                     named: bool = False) -> tuple[list[Option], dict[str, str]]:
     """The layers that may be tensorized, and why each other layer stays dense. ``named``:
     ``fmt`` is the user's own choice, not the default (see ``_configured``)."""
     layer_config = check_layer_config(layer_config)

@@ -1,11 +1,4 @@
-"""Horizontal fusion: sibling Linear layers that read the same input become one layer.
-
-Q / K / V (or gate / up) fused into one Linear tensorize into one chain and cost one
-contraction per step instead of three. The pass runs on the dense fx graph before
-selection and is exact: users read their slice of the fused output. A Linear is fused only
-where the graph calls it once with that one input, and only with siblings of the same
-input size, bias, dtype and device.
-"""
+"""Horizontal fusion: sibling Linear layers that read the same input become one layer."""
 
 from __future__ import annotations
 
@@ -105,13 +98,8 @@ def fuse_linear_siblings(gm: fx.GraphModule) -> list[FusedGroup]:
         linears = [gm.get_submodule(t) for t in targets]
         first = linears[0]
         outs = [lin.out_features for lin in linears]
-        layer = nn.Linear(
-            first.in_features,
-            sum(outs),
-            bias=first.bias is not None,
-            device=first.weight.device,
-            dtype=first.weight.dtype,
-        )
+        layer = nn.Linear(first.in_features, sum(outs), bias=first.bias is not None,
+                          device=first.weight.device, dtype=first.weight.dtype)
         layer.weight.copy_(torch.cat([lin.weight for lin in linears]))
         if layer.bias is not None:
             layer.bias.copy_(torch.cat([lin.bias for lin in linears]))
@@ -140,10 +128,8 @@ def fuse_captured(captured) -> list[FusedGroup]:
     """Fuse the siblings of a :class:`~comera_compile.passes.capture.Capture` on the fx path,
     keeping its record of called modules in step with the new names."""
     if not isinstance(captured.model, fx.GraphModule):
-        raise ValueError(
-            "fusing sibling layers needs a model that torch.fx can trace "
-            f"({captured.reason or captured.path}); pass fuse=False"
-        )
+        raise ValueError("fusing sibling layers needs a model that torch.fx can trace "
+                         f"({captured.reason or captured.path}); pass fuse=False")
     fused = fuse_linear_siblings(captured.model)
     if captured.called is not None:
         for group in fused:

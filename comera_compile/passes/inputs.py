@@ -69,11 +69,7 @@ def describe(args: tuple, kwargs: dict) -> str:
 
 @contextlib.contextmanager
 def quiet_eval(model: nn.Module) -> Iterator[nn.Module]:
-    """Run analysis forwards in eval mode without touching the global RNG.
-
-    Eval mode keeps BatchNorm statistics as they are; each module's own training flag is
-    restored afterwards, so a model that mixes modes comes back the same.
-    """
+    """Run analysis forwards in eval mode without touching the global RNG."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:

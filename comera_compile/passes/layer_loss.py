@@ -1,9 +1,4 @@
-"""Layer losses: what a layer loses at each size, for the allocator to minimise in sum.
-
-From scratch, ``-dense_params * log(params)``, minimised under a parameter budget exactly
-when every layer is compressed alike. Pretrained, the relative squared TT-SVD error of each
-layer times how much its inputs feel it (``spectra.output_weights``).
-"""
+"""Layer losses: what a layer loses at each size, for the allocator to minimise in sum."""
 
 from __future__ import annotations
 

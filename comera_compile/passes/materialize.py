@@ -1,9 +1,4 @@
-"""Materialize: give a model built on the meta device real storage, after the rewrite.
-
-The rewrite makes the tensorized layers' cores on a real device, so no dense weight of a
-swapped layer ever exists; what is left on meta is allocated here and initialised by each
-module's ``reset_parameters`` (or a Hugging Face model's ``_init_weights``).
-"""
+"""Materialize: give a model built on the meta device real storage, after the rewrite."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Order: how many modes per side a TT layer gets, chosen by what a training step costs.
-
-Orders are compared at the parameter count of the default order (``choose_order``) at the
-layer's rank cap; each gets the largest rank that fits, and orders that cannot come within
-``SIMILAR_PARAMS`` of it drop out. The cheapest planned training step at the example
-batch's rows wins; ties, and runs without example inputs, keep the default. Low rank is
-never picked here (it loses accuracy at high compression).
-
-Recommender tables (``sparse=True``) are compared by the multiply-adds of building one
-looked-up row (``embedding_macs_per_row``), with the embedding dim split over the cores or
-whole in the last one: fewer, larger cores win. Orders below 3 and layouts over 0.5% of the
-table at rank 1 are not tried. Other tables keep the default layout.
-"""
+"""Order: how many modes per side a TT layer gets, chosen by what a training step costs."""
 
 from __future__ import annotations
 
@@ -67,18 +55,9 @@ class OrderChoice:
     reason: str
 
 
-def planned_training_cost(
-    spec: LayerSpec,
-    rows: int,
-    dtype: torch.dtype = torch.float32,
-    device_type: str = "cpu",
-    objective: str = "combo",
-) -> float:
-    """Forward + backward cost of the contraction tree the layer will run for ``rows`` rows.
-
-    The tree is the layer's own (cached) forward plan; it is costed with the gradient-aware
-    model, in which every step also pays the two backward contractions and their writes.
-    """
+def planned_training_cost(spec: LayerSpec, rows: int, dtype: torch.dtype = torch.float32,
+                          device_type: str = "cpu", objective: str = "combo") -> float:
+    """Forward + backward cost of the contraction tree the layer will run for ``rows`` rows."""
     network = tt_linear_network(spec.in_modes, spec.out_modes, spec.ranks, rows)
     plan = get_plan(network, dtype=dtype, device_type=device_type, objective=objective)
     cost = evaluate_path(
@@ -95,9 +74,8 @@ def _matching_spec(cand: Candidate, order: int, params: int) -> LayerSpec | None
     return _largest_spec(cand, TT, fin.modes, fout.modes, params)
 
 
-def _largest_spec(
-    cand: Candidate, fmt: str, ins: tuple[int, ...], outs: tuple[int, ...], params: int
-) -> LayerSpec | None:
+def _largest_spec(cand: Candidate, fmt: str, ins: tuple[int, ...], outs: tuple[int, ...],
+                  params: int) -> LayerSpec | None:
     """The spec with these modes at the largest rank with at most ``params`` parameters."""
     spec = make_spec(cand, fmt, 1, ins, outs)
     if spec.params > params:
@@ -117,13 +95,8 @@ def _short(value: float) -> str:
     return f"{value:.3g}"
 
 
-def choose_tt_order(
-    cand: Candidate,
-    cap: int,
-    rows: int,
-    orders: tuple[int, ...] = ORDERS,
-    objective: str = "combo",
-) -> OrderChoice:
+def choose_tt_order(cand: Candidate, cap: int, rows: int, orders: tuple[int, ...] = ORDERS,
+                    objective: str = "combo") -> OrderChoice:
     """The TT order with the lowest planned training cost at ``rows`` rows per call, among
     ``orders`` at about the parameters the default order has at rank ``cap``."""
     default = max(choose_order(cand.in_features), choose_order(cand.out_features), 2)
@@ -140,9 +113,7 @@ def choose_tt_order(
         cost = planned_training_cost(spec, rows, dtype, device_type, objective)
         options.append(OrderOption(order, spec, cost))
     best = min(options, key=lambda o: (o.cost, o.order != default, o.order))
-    others = ", ".join(
-        f"order {o.order} {_short(o.cost)}" for o in options if o is not best
-    )
+    others = ", ".join(f"order {o.order} {_short(o.cost)}" for o in options if o is not best)
     reason = (
         f"lowest planned training cost at {rows} rows: {_short(best.cost)}"
         + (f" vs {others}" if others else " (no other order of similar size)")
@@ -164,9 +135,8 @@ def _embedding_layouts(cand: Candidate, order: int | None) -> list[tuple[tuple[i
     return list(dict.fromkeys([(chain.first, chain.second), (chain.first, last)]))
 
 
-def choose_embedding_order(
-    cand: Candidate, cap: int, orders: tuple[int, ...] = EMBEDDING_ORDERS
-) -> OrderChoice:
+def choose_embedding_order(cand: Candidate, cap: int,
+                           orders: tuple[int, ...] = EMBEDDING_ORDERS) -> OrderChoice:
     """The table's layout with the fewest multiply-adds per looked-up row, among ``orders``
     (each with the default split of the embedding dim, and with the whole dim in the last
     core) at about the parameters the default layout has at rank ``cap``."""
@@ -208,13 +178,8 @@ def _layout(option: OrderOption) -> str:
     return f"order {option.order} {list(option.spec.col_modes)}"
 
 
-def pick_order(
-    cand: Candidate,
-    fmt: str,
-    cap: int,
-    rows: int | None,
-    config: dict[str, Any] | None,
-) -> tuple[LayerSpec | None, str]:
+def pick_order(cand: Candidate, fmt: str, cap: int, rows: int | None,
+               config: dict[str, Any] | None) -> tuple[LayerSpec | None, str]:
     """The spec (modes and rank cap) a layer should take, or None to keep its own, and why."""
     keys = EMBEDDING_ORDER_KEYS if cand.is_embedding else ORDER_KEYS
     if config and any(key in config for key in keys):

@@ -54,11 +54,8 @@ class Settings(Protocol):
 
 def _totals(model: nn.Module, macs: int | None) -> dict[str, int | None]:
     params = list(model.parameters())
-    return {
-        "params": sum(p.numel() for p in params),
-        "bytes": sum(p.numel() * p.element_size() for p in params),
-        "macs": macs,
-    }
+    return {"params": sum(p.numel() for p in params),
+            "bytes": sum(p.numel() * p.element_size() for p in params), "macs": macs}
 
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -113,10 +110,8 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
         shapes = propagate_shapes(target, example_inputs, {c.name for c in candidates})
         called = shapes.called
     elif not captured.traced and budget is not None and budget.flops is not None:
-        raise ValueError(
-            "a flops budget needs example_inputs; the model could not be traced "
-            "either, so pass example_inputs or make the model traceable"
-        )
+        raise ValueError("a flops budget needs example_inputs; the model could not be traced "
+                         "either, so pass example_inputs or make the model traceable")
     before = _totals(target, shapes.total_macs if shapes else None)
 
     def options_in(fmt: str) -> tuple[list, dict]:
@@ -189,17 +184,9 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
         layer = target.get_submodule(name)
         layer.autotune, layer.objective = autotune, objective
     originals = layer_records(target, selection, init)
-    report = OptimizeReport(
-        captured.path,
-        captured.reason,
-        None if budget is None else str(budget),
-        selection.rank,
-        init,
-        before,
-        originals,
-        selection.skipped,
-        _returned(target, captured.graph_exact),
-    )
+    report = OptimizeReport(captured.path, captured.reason, None if budget is None else str(budget),
+                            selection.rank, init, before, originals, selection.skipped,
+                            _returned(target, captured.graph_exact))
     report.config = config.to_dict()
     report.caches = {n: why for n, why in caches.reasons.items() if n in selection.chosen}
     attach_report(target, report)

@@ -1,9 +1,4 @@
-"""Report: what optimize did, as a table a person reads and records a program checks.
-
-``optimize`` leaves an ``OptimizeReport`` on the model it returns (``model._comera_report``);
-``summary`` combines it with the live layers, so ranks and effective ranks are current after
-training and pruning. Any model holding our layers can be summarised, report or not.
-"""
+"""Report: what optimize did, as a table a person reads and records a program checks."""
 
 from __future__ import annotations
 
@@ -67,11 +62,9 @@ def _layer_record(name: str, layer: TensorizedLayer, original: dict[str, Any] | 
     if original is None:
         kind = "Embedding" if embedding else "Linear"
         bias = 0 if embedding else spec.out_features * spec.bias
-        original = {
-            "original": f"{kind}({spec.in_features}, {spec.out_features})",
-            "params": layer.dense_parameters + bias,
-            "macs_per_row": 0 if embedding else layer.dense_parameters,
-        }
+        original = {"original": f"{kind}({spec.in_features}, {spec.out_features})",
+                    "params": layer.dense_parameters + bias,
+                    "macs_per_row": 0 if embedding else layer.dense_parameters}
     after = sum(p.numel() for p in layer.parameters())
     return {
         "name": name,
@@ -146,10 +139,8 @@ class Summary:
         if self.advice:
             lines.append(f"advice: {self.advice}")
         lines.append(text_table(header, rows))
-        lines.append(
-            f"total parameters: {self.params_before:,} -> {self.params_after:,} "
-            f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized"
-        )
+        lines.append(f"total parameters: {self.params_before:,} -> {self.params_after:,} "
+                     f"({self.compression:.1f}x smaller), {len(self.records)} layers tensorized")
         if any(r.get("sensitivity") is not None for r in self.records):
             lines.append("felt: how much the model's output feels an error in the layer's "
                          "output, against an average layer; it weighs the layer's error in "
@@ -188,11 +179,9 @@ def summary(model: nn.Module) -> Summary:
     model = getattr(model, "_orig_mod", model)  # under torch.compile
     report = report_of(model)
     originals = report.originals if report else {}
-    records = [
-        _layer_record(name, module, originals.get(name))
-        for name, module in model.named_modules()
-        if isinstance(module, TensorizedLayer)
-    ]
+    records = [_layer_record(name, module, originals.get(name))
+               for name, module in model.named_modules()
+               if isinstance(module, TensorizedLayer)]
     after = sum(p.numel() for p in model.parameters())
     skipped = {k: v for k, v in (report.skipped if report else {}).items()
                if not _swapped(model, k)}
@@ -311,10 +300,6 @@ def _cache_state(layer: TTEmbedding) -> str:
 
 def record_original(cand: Candidate, order_reason: str = "") -> dict[str, Any]:
     """What the summary prints for the layer before it was swapped, and why its order."""
-    return {
-        "order_reason": order_reason,
-        "original": cand.describe(),
-        "params": cand.dense_params,
-        "macs_per_row": 0 if cand.is_embedding else cand.in_features * cand.out_features,
-    }
+    return {"order_reason": order_reason, "original": cand.describe(), "params": cand.dense_params,
+            "macs_per_row": 0 if cand.is_embedding else cand.in_features * cand.out_features}
 

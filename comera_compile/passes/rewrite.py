@@ -1,10 +1,4 @@
-"""Rewrite: build the tensorized layers and put them where the dense ones were.
-
-We set the attribute on each parent (under every name a layer has), so the model keeps its
-class and its own Python forward. New layers keep the dtype and device of the layers they
-replace. A tied LM head becomes a head on its embedding's cores. ``apply_layouts`` does the
-same from a checkpoint's saved layouts (empty layers, filled by ``load_state_dict``).
-"""
+"""Rewrite: build the tensorized layers and put them where the dense ones were."""
 
 from __future__ import annotations
 
@@ -54,29 +48,19 @@ def check_init(init: str) -> None:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
 
 
-def new_layer(
-    cand: Candidate,
-    fmt: str,
-    ranks: int | list[int],
-    in_modes=None,
-    out_modes=None,
-    order: int | None = None,
-    device: torch.device | str | None = None,
-) -> TensorizedLayer:
+def new_layer(cand: Candidate, fmt: str, ranks: int | list[int], in_modes=None, out_modes=None,
+              order: int | None = None,
+              device: torch.device | str | None = None) -> TensorizedLayer:
     """A randomly initialised layer for ``cand`` (``device="meta"`` to check settings cheaply)."""
     device = cand.weight.device if device is None else device
     dtype = cand.weight.dtype
     if cand.is_embedding:
-        return TTEmbedding(
-            cand.in_features, cand.out_features, ranks=ranks, row_modes=in_modes,
-            col_modes=out_modes, order=order, device=device, dtype=dtype,
-            **dense_options(cand.module),
-        )
+        return TTEmbedding(cand.in_features, cand.out_features, ranks=ranks, row_modes=in_modes,
+                           col_modes=out_modes, order=order, device=device, dtype=dtype,
+                           **dense_options(cand.module))
     cls = LINEAR_CLASSES[fmt]
-    return cls(
-        cand.in_features, cand.out_features, ranks=ranks, in_modes=in_modes,
-        out_modes=out_modes, bias=cand.bias, order=order, device=device, dtype=dtype,
-    )
+    return cls(cand.in_features, cand.out_features, ranks=ranks, in_modes=in_modes,
+               out_modes=out_modes, bias=cand.bias, order=order, device=device, dtype=dtype)
 
 
 def match_weight_scale(layer: TensorizedLayer, weight: torch.Tensor) -> None:
@@ -106,16 +90,10 @@ def _as_linear(cand: Candidate) -> nn.Linear:
     return linear
 
 
-def build_layer(
-    cand: Candidate, spec: LayerSpec, init: str = "random", device: torch.device | str = "cpu",
-    gram: torch.Tensor | None = None,
-) -> TensorizedLayer:
-    """The layer ``spec`` describes: random cores, or a TT-SVD of the current weights.
-
-    A layer on the meta device gets its cores on ``device`` (its dense weight never exists).
-    ``gram``: a Linear's input Gram; the TT-SVD then truncates what its outputs feel (a
-    low-rank table's row frequencies do the same for its lookups).
-    """
+def build_layer(cand: Candidate, spec: LayerSpec, init: str = "random",
+                device: torch.device | str = "cpu",
+                gram: torch.Tensor | None = None) -> TensorizedLayer:
+    """The layer ``spec`` describes: random cores, or a TT-SVD of the current weights."""
     ranks = list(spec.ranks)
     meta = cand.weight.is_meta
     if meta and init != "random":
@@ -292,13 +270,9 @@ def apply_layouts(model: nn.Module, layouts: dict[str, dict]) -> None:
     declare_shared_to_hf(model)
 
 
-def rewrite(
-    model: nn.Module,
-    chosen: dict[str, tuple[Candidate, LayerSpec]],
-    init: str = "random",
-    device: torch.device | str = "cpu",
-    grams: dict[str, torch.Tensor] | None = None,
-) -> nn.Module:
+def rewrite(model: nn.Module, chosen: dict[str, tuple[Candidate, LayerSpec]], init: str = "random",
+            device: torch.device | str = "cpu",
+            grams: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Swap every chosen layer (under each of its names) in place and return ``model``.
     Layers of a model on the meta device get their cores on ``device``; ``grams`` (input
     Grams by layer name) make ``init="dense"`` activation-aware."""

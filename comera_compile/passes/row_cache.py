@@ -1,10 +1,4 @@
-"""Row caches: how much of a recommender table's budget goes to its hot-row cache.
-
-A cache pays where a few rows take most lookups, so it is measured: a cache of the first
-half of the example ids' most frequent rows must serve ``MIN_HIT_RATE`` of the second
-half's lookups. Only tables a recommender declares (``nn.EmbeddingBag`` or
-``sparse=True``) get one; a token embedding's rows are read by tied heads too.
-"""
+"""Row caches: how much of a recommender table's budget goes to its hot-row cache."""
 
 from __future__ import annotations
 
@@ -56,11 +50,8 @@ def is_recommender_table(module: nn.Module) -> bool:
     return isinstance(module, nn.EmbeddingBag) or bool(getattr(module, "sparse", False))
 
 
-def plan_caches(
-    chosen: dict[str, tuple[Candidate, LayerSpec]],
-    example_ids: dict[str, Tensor],
-    setting: float | str,
-) -> CachePlan:
+def plan_caches(chosen: dict[str, tuple[Candidate, LayerSpec]], example_ids: dict[str, Tensor],
+                setting: float | str) -> CachePlan:
     """Cache rows for each chosen recommender table, from the parameters the selection gave
     it: ``setting`` "auto" spends ``AUTO_SHARE`` of them where the held-out hit rate of the
     example ids reaches ``MIN_HIT_RATE``; a number spends that share on every such table."""

@@ -1,10 +1,4 @@
-"""Select: which eligible layers to tensorize, and each one's ranks, to spend a budget well.
-
-The allocator (``allocate.py``) lands the model between 95% and 100% of the budget at the
-least loss for the init. Training from scratch, copies of a layer in repeated blocks are
-all tensorized alike (``_unlike_copies``, ``_alike_ranks``) so the blocks keep one shape.
-Without a budget every eligible layer gets the rank cap.
-"""
+"""Select: which eligible layers to tensorize, and each one's ranks, to spend a budget well."""
 
 from __future__ import annotations
 
@@ -75,13 +69,8 @@ def _unreachable(budget: Budget, before: dict, smallest: dict, limits: dict) -> 
     )
 
 
-def layer_plan(
-    option: Option,
-    init: str = "random",
-    max_rank: int | None = None,
-    output_weight: float = 1.0,
-    gram=None,
-) -> LayerPlan:
+def layer_plan(option: Option, init: str = "random", max_rank: int | None = None,
+               output_weight: float = 1.0, gram=None) -> LayerPlan:
     """The allocator's view of one option, with the loss that fits ``init``."""
     cache: dict[Ranks | None, dict[str, int]] = {}
 
@@ -110,18 +99,10 @@ def layer_plan(
     return plan
 
 
-def select_layers(
-    options: list[Option],
-    skipped: dict[str, str],
-    budget: Budget | None,
-    before: dict[str, int | None],
-    max_rank: int | None = None,
-    init: str = "random",
-    output_weights: dict[str, float] | None = None,
-    grams: dict | None = None,
-    sensitivities: dict[str, float] | None = None,
-    reserve: int = 0,
-) -> Selection:
+def select_layers(options: list[Option], skipped: dict[str, str], budget: Budget | None,
+                  before: dict[str, int | None], max_rank: int | None = None, init: str = "random",
+                  output_weights: dict[str, float] | None = None, grams: dict | None = None,
+                  sensitivities: dict[str, float] | None = None, reserve: int = 0) -> Selection:
     """Choose layers and each one's ranks so the model spends 95-100% of ``budget``, leaving
     ``reserve`` parameters (hot-row caches). ``init="dense"`` minimises the truncation error
     (per bond, as output errors where ``grams`` whiten it, times ``sensitivities``); ``"random"``

@@ -1,15 +1,4 @@
-"""Sensitivity: how much the model's output feels an error in each layer's output.
-
-Summing the layers' relative output errors counts every layer alike, yet a small branch
-beside a residual stream moves the output less. To first order an even relative error
-``eps`` in ``y_l`` changes the output ``y`` by a relative squared ``eps^2 s_l`` with
-
-    s_l = ||y_l||^2 tr(J_l J_l^T) / (n_l ||y||^2),
-
-and Hutchinson's estimator ``tr(J_l J_l^T) = E ||J_l^T v||^2`` gets every layer's trace
-from a few backward passes. ``FLOOR`` keeps every weight at a small share of the mean, so
-no layer is cut to nothing on one batch's first-order evidence.
-"""
+"""Sensitivity: how much the model's output feels an error in each layer's output."""
 
 from __future__ import annotations
 
@@ -32,9 +21,8 @@ PROBES = 4
 FLOOR = 0.01
 
 
-def output_sensitivities(
-    model: nn.Module, example_inputs: Any, cands: Sequence[Candidate], probes: int = PROBES
-) -> dict[str, float]:
+def output_sensitivities(model: nn.Module, example_inputs: Any, cands: Sequence[Candidate],
+                         probes: int = PROBES) -> dict[str, float]:
     """Per layer, ``s_l`` (above) at ``example_inputs``, scaled to a mean of 1 over the layers
     the output depends on and at least ``FLOOR``; a layer it does not reach (a head beside
     the one returned first) gets 1, as nothing says it matters less. Empty where no float

@@ -1,9 +1,5 @@
 """Shapes: one no-grad run of the example inputs tells each layer's input shape, the rows per
-call the planner will see, and the model's total multiply-adds.
-
-Forward hooks work whichever way the model was captured (GraphModule or plain module), and
-they also see layers called inside fx leaf modules (``nn.TransformerEncoderLayer``).
-"""
+call the planner will see, and the model's total multiply-adds."""
 
 from __future__ import annotations
 
@@ -64,13 +60,9 @@ def _features_on_meta(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
 
 
-def propagate_shapes(
-    model: nn.Module, example_inputs: Any, layer_names: set[str] | None = None
-) -> ShapeInfo:
-    """Run ``model`` once on ``example_inputs``; record shapes of ``layer_names`` (all if None).
-
-    A model error becomes a ValueError naming the inputs, the module that failed and why.
-    """
+def propagate_shapes(model: nn.Module, example_inputs: Any,
+                     layer_names: set[str] | None = None) -> ShapeInfo:
+    """Run ``model`` once on ``example_inputs``; record shapes of ``layer_names`` (all if None)."""
     args, kwargs = _features_on_meta(model, *as_call(example_inputs))
     info = ShapeInfo()
     stack: list[str] = []

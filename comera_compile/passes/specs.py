@@ -1,9 +1,4 @@
-"""Layer specs: the format, modes and ranks a candidate would get, and what that costs.
-
-Counting from the formulas (not by building layers) keeps the rank search cheap; the counts
-include everything the built layer holds (cores, one gate per internal rank, bias), so the
-budget the search meets is the budget ``sum(p.numel() for p in model.parameters())`` sees.
-"""
+"""Layer specs: the format, modes and ranks a candidate would get, and what that costs."""
 
 from __future__ import annotations
 
@@ -43,13 +38,7 @@ def check_format(fmt: str, name: str = "format") -> None:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """How one layer is tensorized.
-
-    For an embedding (``format == "tt_embedding"``) the Linear-shaped names mean the table's:
-    ``in_features`` is the vocabulary size, ``out_features`` the embedding dim, and
-    ``in_modes`` / ``out_modes`` are the row (vocabulary) / column (dim) modes, as
-    ``Candidate`` reads an embedding (``row_modes`` / ``col_modes`` name them too).
-    """
+    """How one layer is tensorized."""
 
     format: str
     in_features: int
@@ -129,25 +118,16 @@ def embedding_macs_per_row(col_modes: Sequence[int], ranks: Sequence[int]) -> in
     return macs
 
 
-def auto_modes(
-    cand: Candidate,
-    fmt: str,
-    in_modes: Sequence[int] | None = None,
-    out_modes: Sequence[int] | None = None,
-    order: int | None = None,
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def auto_modes(cand: Candidate, fmt: str, in_modes: Sequence[int] | None = None,
+               out_modes: Sequence[int] | None = None,
+               order: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The modes the layer constructor would pick (user-given modes win)."""
     chain = chain_layout(fmt, cand.in_features, cand.out_features, 1, in_modes, out_modes, order)
     return chain.first, chain.second
 
 
-def make_spec(
-    cand: Candidate,
-    fmt: str,
-    rank: int | Sequence[int],
-    in_modes: Sequence[int],
-    out_modes: Sequence[int],
-) -> LayerSpec:
+def make_spec(cand: Candidate, fmt: str, rank: int | Sequence[int], in_modes: Sequence[int],
+              out_modes: Sequence[int]) -> LayerSpec:
     """Spec at a rank cap (an int, clipped per bond) or an explicit full rank list."""
     spec = LayerSpec(fmt, cand.in_features, cand.out_features, tuple(in_modes),
                      tuple(out_modes), (), cand.bias and not cand.is_embedding)

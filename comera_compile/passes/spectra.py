@@ -1,9 +1,4 @@
-"""Spectra: how much a layer's weight loses at each TT rank, from singular values computed once.
-
-TT-SVD's squared error is at most the sum over bonds of the squared singular values each
-bond drops (Oseledets 2011), so one ``svdvals`` per unfolding makes every layer's error a
-cheap function of its ranks for the allocator; ``example_inputs`` turn it into the output's.
-"""
+"""Spectra: how much a layer's weight loses at each TT rank, from singular values computed once."""
 
 from __future__ import annotations
 
@@ -90,15 +85,9 @@ def layer_spectrum(cand: Candidate, spec: LayerSpec, gram: Tensor | None = None)
     return Spectrum(tails, float(tensor.double().square().sum()))
 
 
-def output_weights(
-    model: nn.Module, example_inputs: Any, cands: Sequence[Candidate]
-) -> dict[str, float]:
-    """Per layer: relative output error per unit of relative weight error, at these inputs.
-
-    1 for isotropic inputs. Below 1 when the inputs excite the weight's strong directions
-    (its truncated tail matters less), above 1 when they excite the weak ones; for an
-    embedding, the ratio of an average row's energy to the energy of the rows looked up.
-    """
+def output_weights(model: nn.Module, example_inputs: Any,
+                   cands: Sequence[Candidate]) -> dict[str, float]:
+    """Per layer: relative output error per unit of relative weight error, at these inputs."""
     stats: dict[str, list] = {}
     names = {id(c.module): c.name for c in cands}
 
@@ -142,9 +131,8 @@ def output_weights(
     return weights
 
 
-def input_grams(
-    model: nn.Module, example_inputs: Any, cands: Sequence[Candidate]
-) -> dict[str, Tensor]:
+def input_grams(model: nn.Module, example_inputs: Any,
+                cands: Sequence[Candidate]) -> dict[str, Tensor]:
     """Per layer the forward calls, its input Gram at ``example_inputs`` (float64, CPU), for
     the activation-aware truncation: ``X^T X / rows`` for a Linear-like layer; for an
     embedding table (one-hot inputs, a diagonal Gram) its diagonal, the share of lookups

@@ -1,11 +1,4 @@
-"""Targets: which layers the user asked for, PEFT-style.
-
-``include`` / ``exclude``: a regex string (matched against the whole qualified name) or a
-list of names (a name matches itself and any name ending in ``"." + name``).
-``filter_fn(module, name) -> bool``: a last say per layer.
-``layer_config``: ``{pattern: settings}`` with glob or regex patterns; a layer it names is
-always tensorized (unless excluded) with those settings, later patterns overriding earlier.
-"""
+"""Targets: which layers the user asked for, PEFT-style."""
 
 from __future__ import annotations
 
@@ -66,14 +59,8 @@ def config_for(name: str, layer_config: dict[str, dict]) -> dict[str, Any] | Non
     return merged
 
 
-def user_skip(
-    name: str,
-    module: nn.Module,
-    include: Names,
-    exclude: Names,
-    filter_fn: Callable[[nn.Module, str], bool] | None,
-    configured: bool,
-) -> str | None:
+def user_skip(name: str, module: nn.Module, include: Names, exclude: Names,
+              filter_fn: Callable[[nn.Module, str], bool] | None, configured: bool) -> str | None:
     """Why the user's choices keep this layer dense, or None."""
     if matches_names(name, exclude):
         return "excluded by exclude="

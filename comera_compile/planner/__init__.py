@@ -12,27 +12,8 @@ from .planning import plan_network
 from .protocol import ForwardPlan, RowCost
 from .records import PlanRecord, PlanReport, record_plan
 
-__all__ = [
-    "BATCH",
-    "EmbeddingPlan",
-    "FORMAT_VERSION",
-    "ForwardPlan",
-    "Network",
-    "Plan",
-    "PlanRecord",
-    "PlanReport",
-    "RowCost",
-    "cache_dir",
-    "capturing",
-    "clear_memory_cache",
-    "embedding_plan",
-    "evaluate_path",
-    "get_plan",
-    "host_reads_allowed",
-    "next_power_of_two",
-    "parse_objective",
-    "plan_network",
-    "record_plan",
-    "tt_linear_network",
-    "ttm_linear_network",
-]
+__all__ = ["BATCH", "EmbeddingPlan", "FORMAT_VERSION", "ForwardPlan", "Network", "Plan",
+           "PlanRecord", "PlanReport", "RowCost", "cache_dir", "capturing", "clear_memory_cache",
+           "embedding_plan", "evaluate_path", "get_plan", "host_reads_allowed", "next_power_of_two",
+           "parse_objective", "plan_network", "record_plan", "tt_linear_network",
+           "ttm_linear_network"]

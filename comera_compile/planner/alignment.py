@@ -1,11 +1,4 @@
-"""Bond padding: run a contraction at ranks the CPU's matmul kernels like.
-
-MKL's sgemm is uneven in a skinny dimension (a ``768 x 32`` factor runs markedly faster
-than a ``768 x 30`` one), so padding a TT layer's middle bond with zero slices to a near
-size the kernels like is faster although it multiplies more; the result and gradients
-stay exact. Padding is kept to near misses (at most an eighth more rank) on contractions
-over more than ``MIN_ROWS`` rows (docs/cpu-performance.md, "Bond padding").
-"""
+"""Bond padding: run a contraction at ranks the CPU's matmul kernels like."""
 
 from __future__ import annotations
 

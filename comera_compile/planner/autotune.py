@@ -1,9 +1,4 @@
-"""Optional autotuning: time the few best trees by model cost and keep the fastest.
-
-The cost model ignores kernel efficiency (a bmm with a tiny inner dimension can be slower
-than its multiply-add count suggests), so when asked we measure the top candidates on
-example operands. Off by default: it costs a few forward passes per new bucket.
-"""
+"""Optional autotuning: time the few best trees by model cost and keep the fastest."""
 
 from __future__ import annotations
 
@@ -59,8 +54,6 @@ def fastest(candidates: Sequence, operands: Sequence[Tensor], device_type: str):
             if needs:
                 torch.autograd.grad(out, needs, torch.ones_like(out))
 
-    timed = [
-        (time_candidate(lambda p=plan: step(p), device_type), k, plan)
-        for k, plan in enumerate(candidates)
-    ]
+    timed = [(time_candidate(lambda p=plan: step(p), device_type), k, plan)
+             for k, plan in enumerate(candidates)]
     return min(timed, key=lambda t: (t[0], t[1]))[2]

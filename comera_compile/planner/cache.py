@@ -1,10 +1,5 @@
-"""Plan caches: an in-memory LRU (hit on every forward) over a JSON-file disk cache.
-
-A hit is one dict lookup on small hashable values. The disk cache lives under
-``$COMERA_CACHE_DIR`` (``off`` disables it) or ``~/.cache/comera_compile/plans``; each entry
-is re-validated on load and re-planned when anything is off. Both are bounded, since
-pruning keeps making new networks: LRU in memory, ``MAX_DISK_ENTRIES`` files on disk.
-"""
+"""Plan caches: an in-memory LRU (hit on every forward) over a JSON-file disk cache, both
+bounded since pruning keeps making new networks. ``COMERA_CACHE_DIR=off`` turns the disk off."""
 
 from __future__ import annotations
 
@@ -40,9 +35,7 @@ MAX_DISK_ENTRIES = 2048
 
 
 class LRU(OrderedDict):
-    """A dict bounded to ``maxsize`` entries that forgets the least recently used first.
-
-    Read with ``get`` then ``move_to_end`` on a hit (both C calls: a hit stays cheap)."""
+    """A dict bounded to ``maxsize`` entries that forgets the least recently used first."""
 
     def __init__(self, maxsize: int) -> None:
         super().__init__()
@@ -102,21 +95,12 @@ def bucket_network(network: Network) -> Network:
     return network.with_sizes(**{BATCH: next_power_of_two(rows)})
 
 
-def disk_key(
-    network: Network, dtype: str, device_type: str, objective: str, training: bool, autotune: bool
-) -> dict[str, Any]:
-    return {
-        "format": FORMAT_VERSION,
-        "kind": network.kind,
-        "equation": network.equation,
-        "sizes": [list(p) for p in network.sizes],
-        "names": list(network.names),
-        "dtype": dtype,
-        "device_type": device_type,
-        "objective": objective,
-        "training": training,
-        "autotune": autotune,
-    }
+def disk_key(network: Network, dtype: str, device_type: str, objective: str, training: bool,
+             autotune: bool) -> dict[str, Any]:
+    return {"format": FORMAT_VERSION, "kind": network.kind, "equation": network.equation,
+            "sizes": [list(p) for p in network.sizes], "names": list(network.names), "dtype": dtype,
+            "device_type": device_type, "objective": objective, "training": training,
+            "autotune": autotune}
 
 
 def key_file(directory: Path, key: dict[str, Any]) -> Path:
@@ -132,30 +116,14 @@ def check_entry(data: Any, key: dict[str, Any], network: Network) -> Plan:
     if plan.format_version != FORMAT_VERSION or plan.cotengra_version != cotengra.__version__:
         raise ValueError("entry written by another format or cotengra version")
     same = (plan.kind, plan.equation, plan.sizes, plan.names, plan.objective, plan.training)
-    want = (
-        network.kind,
-        network.equation,
-        network.size_dict,
-        network.names,
-        key["objective"],
-        key["training"],
-    )
+    want = (network.kind, network.equation, network.size_dict, network.names, key["objective"],
+            key["training"])
     if same != want:
         raise ValueError("entry describes another network")
-    cost = evaluate_path(
-        network.inputs,
-        network.output,
-        network.size_dict,
-        plan.path,
-        plan.objective,
-        plan.training,
-    )
-    if (cost.macs, cost.peak, cost.write, cost.cost) != (
-        plan.macs,
-        plan.peak,
-        plan.write,
-        plan.cost,
-    ):
+    cost = evaluate_path(network.inputs, network.output, network.size_dict, plan.path,
+                         plan.objective, plan.training)
+    if (cost.macs, cost.peak, cost.write, cost.cost) != (plan.macs, plan.peak, plan.write,
+                                                         plan.cost):
         raise ValueError("entry costs do not match its path")
     return plan
 
@@ -191,13 +159,9 @@ def store_entry(path: Path, key: dict[str, Any], plan: Plan) -> None:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         _unwritable.add(str(directory))
-        warnings.warn(
-            f"comera_compile: plan cache directory {directory} is not writable ({err}); "
-            "keeping plans in memory only. Set COMERA_CACHE_DIR to a writable directory "
-            "(or to 'off').",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"comera_compile: plan cache directory {directory} is not writable ({err}); "
+                      "keeping plans in memory only. Set COMERA_CACHE_DIR to a writable directory "
+                      "(or to 'off').", RuntimeWarning, stacklevel=3)
         return
     try:
         evict_oldest(directory, MAX_DISK_ENTRIES)
@@ -221,20 +185,10 @@ def evict_oldest(directory: Path, keep: int) -> None:
         file.unlink(missing_ok=True)
 
 
-def get_plan(
-    network: Network,
-    *,
-    dtype: torch.dtype,
-    device_type: str,
-    objective: str = "combo",
-    autotune: bool = False,
-    operands_example: Sequence[Tensor] | None = None,
-    training: bool = False,
-) -> Plan:
-    """The plan for ``network`` with its batch index bucketed to a power of two.
-
-    Memory cache, then disk cache, then a fresh search (stored in both).
-    """
+def get_plan(network: Network, *, dtype: torch.dtype, device_type: str, objective: str = "combo",
+             autotune: bool = False, operands_example: Sequence[Tensor] | None = None,
+             training: bool = False) -> Plan:
+    """The plan for ``network`` with its batch index bucketed to a power of two."""
     request = (network, dtype, device_type, objective, training, autotune)
     plan = _requests.get(request)
     if plan is not None:
@@ -262,15 +216,8 @@ def _load_or_plan(network, dtype, device_type, objective, training, autotune, op
         plan = load_entry(path, key, network)
         if plan is not None:
             return plan
-    plan = plan_network(
-        network,
-        objective=objective,
-        training=training,
-        autotune=autotune,
-        dtype=dtype,
-        device_type=device_type,
-        operands_example=operands_example,
-    )
+    plan = plan_network(network, objective=objective, training=training, autotune=autotune,
+                        dtype=dtype, device_type=device_type, operands_example=operands_example)
     if path is not None:
         store_entry(path, key, plan)
     return plan

@@ -1,12 +1,4 @@
-"""Objectives and the cost of a contraction path, defined exactly as cotengra defines them.
-
-Per pairwise step ``flops`` is the product of all involved index sizes and ``size`` that of
-the kept ones; over a tree ``flops`` and ``write`` sum them, ``size`` is the largest,
-``combo-F`` = sum(flops + F * size) and ``limit-F`` = sum(max(flops, F * size)). Paths are
-evaluated here, not by cotengra, so a plan loaded from disk can be re-checked.
-``training=True`` also counts each step's backward contractions for operands that need
-gradients (off by default: it rarely changes the tree).
-"""
+"""Objectives and the cost of a contraction path, defined exactly as cotengra defines them."""
 
 from __future__ import annotations
 
@@ -47,10 +39,8 @@ def parse_objective(objective: str) -> Objective:
     """Parse ``"flops" | "size" | "write" | "combo[-F]" | "limit[-F]"`` (cotengra's names)."""
     match = _OBJECTIVE.fullmatch(str(objective))
     if not match:
-        raise ValueError(
-            f"unknown objective {objective!r}; use 'flops', 'size', 'write', 'combo', "
-            "'combo-<factor>', 'limit' or 'limit-<factor>'"
-        )
+        raise ValueError(f"unknown objective {objective!r}; use 'flops', 'size', 'write', 'combo', "
+                         "'combo-<factor>', 'limit' or 'limit-<factor>'")
     kind, param = match.groups()
     if param and kind not in ("combo", "limit"):
         raise ValueError(f"objective {kind!r} takes no factor, got {objective!r}")
@@ -90,14 +80,9 @@ def validate_ssa_path(num_operands: int, path: Sequence[Sequence[int]]) -> list[
     return out
 
 
-def evaluate_path(
-    inputs: Sequence[str],
-    output: str,
-    size_dict: dict[str, int],
-    path: Sequence[Sequence[int]],
-    objective: str | Objective = "combo",
-    training: bool = False,
-) -> PathCost:
+def evaluate_path(inputs: Sequence[str], output: str, size_dict: dict[str, int],
+                  path: Sequence[Sequence[int]], objective: str | Objective = "combo",
+                  training: bool = False) -> PathCost:
     """Cost of an SSA ``path`` on the network (see the module docstring for definitions)."""
     obj = parse_objective(objective) if isinstance(objective, str) else objective
     path = validate_ssa_path(len(inputs), path)

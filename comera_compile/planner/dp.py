@@ -1,10 +1,4 @@
-"""Our exact dynamic program over operand subsets, keeping the k best trees per subset.
-
-cotengra is the default search; this DP serves what it cannot do: the gradient-aware cost
-(``training=True``) and the top-k distinct trees autotuning times. It tries every binary
-tree (3^n / 2 splits), so only small networks (``MAX_DP_OPERANDS``) use it. k-best is
-exact for additive objectives; for ``size`` (a max) only the first tree is.
-"""
+"""Our exact dynamic program over operand subsets, keeping the k best trees per subset."""
 
 from __future__ import annotations
 
@@ -33,20 +27,10 @@ def tree_to_ssa(tree: Tree, num_inputs: int) -> list[tuple[int, int]]:
     return path
 
 
-def kbest_trees(
-    inputs: Sequence[str],
-    output: str,
-    size_dict: dict[str, int],
-    objective: Objective,
-    training: bool = False,
-    k: int = 1,
-    max_weight_size: int | None = None,
-) -> list[tuple[float, Tree]]:
-    """The ``k`` cheapest contraction trees (cost, tree), cheapest first.
-
-    ``max_weight_size``: intermediates made of cores alone (no operand 0, the input) must
-    stay below this many elements; the planner passes the dense weight's size, so no tree
-    rebuilds the weight the layer exists to avoid."""
+def kbest_trees(inputs: Sequence[str], output: str, size_dict: dict[str, int], objective: Objective,
+                training: bool = False, k: int = 1,
+                max_weight_size: int | None = None) -> list[tuple[float, Tree]]:
+    """The ``k`` cheapest contraction trees (cost, tree), cheapest first."""
     n = len(inputs)
     if n > MAX_DP_OPERANDS:
         raise ValueError(f"exact DP is limited to {MAX_DP_OPERANDS} operands, got {n}")

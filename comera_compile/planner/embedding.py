@@ -1,9 +1,4 @@
-"""TT-embedding lookup plan: which bond to split the TTM chain at, and what it costs.
-
-The merges at a split cost the same for every batch while the per-id products grow with
-it, so the split of fewest total multiply-adds depends on the number of ids; for a handful
-no merge pays (``CHAIN``). Running a plan lives in ``planner.lookup``.
-"""
+"""TT-embedding lookup plan: which bond to split the TTM chain at, and what it costs."""
 
 from __future__ import annotations
 
@@ -67,13 +62,8 @@ class EmbeddingPlan:
     def halves(self) -> tuple[int, int, int, int, int]:
         """``(M_L, N_L, r_s, M_R, N_R)`` of the split."""
         s, m, n = self.split, self.row_modes, self.col_modes
-        return (
-            math.prod(m[:s]),
-            math.prod(n[:s]),
-            self.ranks[s],
-            math.prod(m[s:]),
-            math.prod(n[s:]),
-        )
+        return (math.prod(m[:s]), math.prod(n[:s]), self.ranks[s], math.prod(m[s:]),
+                math.prod(n[s:]))
 
     @property
     def equation(self) -> str:
@@ -129,32 +119,22 @@ class EmbeddingPlan:
         """The execution side of the plan protocol: :meth:`lookup` of ``ids``."""
         return run_lookup(self, ids, cores)
 
-    def lookup(
-        self, ids: Tensor, cores: Sequence[Tensor], gates: Sequence[Tensor] | None = None
-    ) -> Tensor:
+    def lookup(self, ids: Tensor, cores: Sequence[Tensor],
+               gates: Sequence[Tensor] | None = None) -> Tensor:
         """Rows ``(len(ids), prod(col_modes))`` of the table for 1-d ``ids``, run by
         :func:`~comera_compile.planner.lookup.run_lookup` (``gates`` weight the internal bonds)."""
         return run_lookup(self, ids, cores, gates)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "row_modes": list(self.row_modes),
-            "col_modes": list(self.col_modes),
-            "ranks": list(self.ranks),
-            "rows_bucket": self.rows_bucket,
-            "split": self.split,
-            "merge_macs": self.merge_macs,
-            "macs": self.macs,
-            "peak": self.peak,
-            "objective": self.objective,
-            "order": self.order_expression(),
-        }
+        return {"kind": self.kind, "row_modes": list(self.row_modes),
+                "col_modes": list(self.col_modes), "ranks": list(self.ranks),
+                "rows_bucket": self.rows_bucket, "split": self.split, "merge_macs": self.merge_macs,
+                "macs": self.macs, "peak": self.peak, "objective": self.objective,
+                "order": self.order_expression()}
 
 
-def chain_costs(
-    row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int], rows: int
-) -> tuple[int, int]:
+def chain_costs(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
+                rows: int) -> tuple[int, int]:
     """``(macs, peak)`` of the per-core gather + per-row chain strategy."""
     n, r = col_modes, ranks
     macs, width, peak = 0, n[0], rows * n[0] * r[1]
@@ -165,9 +145,8 @@ def chain_costs(
     return macs, peak
 
 
-def split_costs(
-    row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int], rows: int
-) -> dict[int, tuple[int, int, int]]:
+def split_costs(row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
+                rows: int) -> dict[int, tuple[int, int, int]]:
     """``{split: (total macs, merge macs, peak)}`` for every split bond (full ranks)."""
     m, n, r = row_modes, col_modes, ranks
     d = len(m)
@@ -199,14 +178,9 @@ def _embedding_plan(row_modes, col_modes, ranks, bucket) -> EmbeddingPlan:
     return EmbeddingPlan(row_modes, col_modes, ranks, bucket, split, merge, total, peak)
 
 
-def embedding_plan(
-    row_modes: Sequence[int], col_modes: Sequence[int], ranks: int | Sequence[int], rows: int
-) -> EmbeddingPlan:
-    """The cheapest split for ``rows`` ids (bucketed to a power of two, cached).
-
-    ``row_modes`` factor the vocabulary (m), ``col_modes`` the embedding dim (n); ranks as
-    an int, the internal ranks, or the full ``[1, r.., 1]``.
-    """
+def embedding_plan(row_modes: Sequence[int], col_modes: Sequence[int], ranks: int | Sequence[int],
+                   rows: int) -> EmbeddingPlan:
+    """The cheapest split for ``rows`` ids (bucketed to a power of two, cached)."""
     m = _positive("row_modes", row_modes)
     n = _positive("col_modes", col_modes)
     if len(m) != len(n):

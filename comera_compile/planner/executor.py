@@ -1,10 +1,4 @@
-"""Run an SSA contraction path as plain torch ops: permute, reshape, matmul.
-
-Every pairwise step becomes one ``torch.matmul`` (a bmm when the operands share kept
-indices), so torch.compile traces a plan with no graph break and nothing re-plans at run
-time. Reshape sizes are read from the runtime tensors: one plan serves every row count in
-its bucket.
-"""
+"""Run an SSA contraction path as plain torch ops: permute, reshape, matmul."""
 
 from __future__ import annotations
 
@@ -17,13 +11,7 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class PairStep:
-    """One pairwise contraction ``left . right`` on SSA ids, precomputed as dim positions.
-
-    ``*_sum``: dims summed away first (index in one operand only, not needed later).
-    After the sums, ``*_perm`` orders the left operand as (batch, free, contracted) and the
-    right one as (batch, contracted, free); the result's dims are (batch, left free, right
-    free).
-    """
+    """One pairwise contraction ``left . right`` on SSA ids, precomputed as dim positions."""
 
     left: int
     right: int
@@ -138,12 +126,7 @@ def _pair(step: PairStep, a: Tensor, b: Tensor, bias: Tensor | None = None) -> T
 
 
 def run_program(program: Program, operands: Sequence[Tensor], bias: Tensor | None = None) -> Tensor:
-    """Execute ``program`` on ``operands`` (in network order).
-
-    ``bias``, shaped like the trailing output dims, is added to the result; where the plan
-    ends in a plain matmul over exactly those dims it rides along in an ``addmm`` (one pass
-    over the output instead of two: that pass is a large share of a wide layer's time).
-    """
+    """Execute ``program`` on ``operands`` (in network order)."""
     if len(operands) != program.num_inputs:
         raise ValueError(f"plan expects {program.num_inputs} operands, got {len(operands)}")
     fuse = bias is not None and program.bias_dims == bias.dim()

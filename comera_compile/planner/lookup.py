@@ -23,18 +23,9 @@ CHAIN = -1
 """``EmbeddingPlan.split`` value for the per-core gather + per-row chain strategy."""
 
 
-def run_lookup(
-    plan: EmbeddingPlan,
-    ids: Tensor,
-    cores: Sequence[Tensor],
-    gates: Sequence[Tensor] | None = None,
-) -> Tensor:
-    """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``, run as ``plan``.
-
-    ``gates`` (optional, one scale vector per internal bond, already thresholded) weight
-    the bonds: the chain strategy applies them to the rows' bonds (work proportional to
-    the ids), the others fold them into the cores first.
-    """
+def run_lookup(plan: EmbeddingPlan, ids: Tensor, cores: Sequence[Tensor],
+               gates: Sequence[Tensor] | None = None) -> Tensor:
+    """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``, run as ``plan``."""
     if ids.dim() != 1:
         raise ValueError(f"lookup expects 1-d ids, got shape {tuple(ids.shape)}")
     if len(cores) != len(plan.row_modes):
@@ -74,13 +65,8 @@ def tables(plan: EmbeddingPlan, cores: Sequence[Tensor]) -> tuple[Tensor, Tensor
     return left, right
 
 
-def chain_lookup(
-    ids: Tensor,
-    cores: Sequence[Tensor],
-    row_modes: Sequence[int],
-    col_modes: Sequence[int],
-    gates: Sequence[Tensor] | None = None,
-) -> Tensor:
+def chain_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
+                 col_modes: Sequence[int], gates: Sequence[Tensor] | None = None) -> Tensor:
     """Contract the chain per row: gather the first core's slice, then one core at a time."""
     digits, rest = [], ids
     for size in reversed(row_modes):  # mixed radix, first mode most significant
@@ -99,11 +85,7 @@ def chain_lookup(
 
 
 def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
-    """``acc (b, w, r)`` times each row's slice ``core[:, digit]`` -> ``(b, w * n, r')``.
-
-    Gathers one ``(r, n, r')`` slice per row: simple and traceable, but it moves a slice per
-    row (in the forward gather and the backward scatter), which dominates at high ranks.
-    """
+    """``acc (b, w, r)`` times each row's slice ``core[:, digit]`` -> ``(b, w * n, r')``."""
     rows = acc.shape[0]
     g = core.index_select(1, digit).transpose(0, 1)  # (b, r, n, r')
     out = torch.bmm(acc, g.reshape(rows, core.shape[0], -1))
@@ -111,15 +93,7 @@ def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
 
 
 def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
-    """Same result as :func:`_contract_gathered`, as one bmm over the core's ``m`` slices.
-
-    Rows are put in buckets by their digit (padded to the fullest bucket), so each slice
-    of the core is read once per batch instead of once per row, and the core's gradient
-    comes straight out of the bmm's backward (no scatter of per-row slice gradients).
-    The workspace is ``m * depth`` rows of ``(w, r)``: proportional to the ids when their
-    digits spread (hashed ids do); ids sharing one digit (a run of small ids) make it up
-    to ``m`` times larger.
-    """
+    """Same result as :func:`_contract_gathered`, as one bmm over the core's ``m`` slices."""
     rows, width, rank = acc.shape
     r, m, n, r_next = core.shape
     counts = torch.bincount(digit, minlength=m)

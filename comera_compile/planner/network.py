@@ -1,8 +1,4 @@
-"""A tensor network as the planner sees it: index strings per operand, output, sizes.
-
-Every tensorized layer's forward is one such network (the input ``x`` and the cores). The
-description is a small frozen value so that it can key the plan caches directly.
-"""
+"""A tensor network as the planner sees it: index strings per operand, output, sizes."""
 
 from __future__ import annotations
 
@@ -15,11 +11,7 @@ BATCH = "b"
 
 @dataclass(frozen=True)
 class Network:
-    """A contraction ``inputs -> output`` over single-letter indices.
-
-    ``sizes`` is a sorted tuple of ``(index, size)`` pairs (hashable, canonical);
-    ``names`` names the operands in order (``x``, ``G1``, ...), for order expressions.
-    """
+    """A contraction ``inputs -> output`` over single-letter indices."""
 
     kind: str
     inputs: tuple[str, ...]

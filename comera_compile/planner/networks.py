@@ -1,8 +1,4 @@
-"""The networks of each layer kind (TT linear, TTM linear), with boundary ranks squeezed.
-
-The layer hands the planner its cores already gate-scaled, so the network is only ``x`` and
-the cores; its batch index is always ``b`` (the rows the layer sees).
-"""
+"""The networks of each layer kind (TT linear, TTM linear), with boundary ranks squeezed."""
 
 from __future__ import annotations
 
@@ -38,13 +34,9 @@ def _build(kind, x_term, cores, output, sizes) -> Network:
     return Network(kind, (x_term, *cores), output, tuple(sorted(sizes.items())), names)
 
 
-def tt_linear_network(
-    in_modes: Sequence[int], out_modes: Sequence[int], ranks: int | Sequence[int], rows: int
-) -> Network:
-    """``y[b, m..] = x[b, n..] * G1[n1, r1] G2[r1, n2, r2] ... G_L[r, m_last]`` (TT linear).
-
-    Cores run input modes first, then output modes (as in CoMERA); ``d != d'`` is allowed.
-    """
+def tt_linear_network(in_modes: Sequence[int], out_modes: Sequence[int], ranks: int | Sequence[int],
+                      rows: int) -> Network:
+    """``y[b, m..] = x[b, n..] * G1[n1, r1] G2[r1, n2, r2] ... G_L[r, m_last]`` (TT linear)."""
     n = positive_ints("in_modes", in_modes)
     m = positive_ints("out_modes", out_modes)
     cores = len(n) + len(m)
@@ -56,9 +48,8 @@ def tt_linear_network(
     return _build("tt_linear", BATCH + "".join(n_ix), terms, BATCH + "".join(m_ix), sizes)
 
 
-def ttm_linear_network(
-    in_modes: Sequence[int], out_modes: Sequence[int], ranks: int | Sequence[int], rows: int
-) -> Network:
+def ttm_linear_network(in_modes: Sequence[int], out_modes: Sequence[int],
+                       ranks: int | Sequence[int], rows: int) -> Network:
     """``y[b, m..] = x[b, n..] * G1[m1, n1, r1] ... G_d[r, m_d, n_d]`` (TTM, weight (out, in))."""
     n, m = ttm_mode_pairs(in_modes, out_modes, ("in_modes", "out_modes"))
     d = len(n)

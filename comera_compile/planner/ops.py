@@ -1,12 +1,4 @@
-"""Planned contractions as ``torch.library`` ops: what a layer calls while torch.compile traces.
-
-Planning (a cotengra search the first time a shape is seen) must stay out of the trace, so
-a compiling layer calls :func:`planned_contract` / :func:`planned_lookup`, one ``comera::``
-op each: dynamo records one opaque node per layer, and AOT autograd decomposes its
-``CompositeImplicitAutograd`` body into plain aten ops for inductor. The body looks its
-plan up by the rows' bucket; a symbolic batch is guarded to the plan's region
-(``planner.regions``), so one graph serves every row count in it.
-"""
+"""Planned contractions as ``torch.library`` ops: what a layer calls while torch.compile traces."""
 
 from __future__ import annotations
 
@@ -26,10 +18,8 @@ from .regions import guard_to_region, region_of
 _NETWORKS = {"tt": tt_linear_network, "lowrank": tt_linear_network, "ttm": ttm_linear_network}
 
 _lib = torch.library.Library("comera", "DEF")
-_lib.define(
-    "tt_contract(Tensor x, Tensor[] cores, str kind, int[] in_modes, int[] out_modes, "
-    "str objective, bool autotune) -> Tensor"
-)
+_lib.define("tt_contract(Tensor x, Tensor[] cores, str kind, int[] in_modes, int[] out_modes, "
+            "str objective, bool autotune) -> Tensor")
 _lib.define("tt_lookup(Tensor ids, Tensor[] cores, int[] row_modes, int[] col_modes) -> Tensor")
 
 CONTRACT = torch.ops.comera.tt_contract.default
@@ -46,10 +36,7 @@ def traced_plans() -> dict[tuple, Any]:
 
 
 def row_bucket(rows: int | torch.SymInt) -> int:
-    """The smallest power of two >= ``rows`` (1 for ``rows <= 1``).
-
-    A symbolic ``rows`` is compared, never converted: each comparison guards the graph to
-    the bucket (``rows > 256`` and ``rows <= 512``, say) instead of to one exact size."""
+    """The smallest power of two >= ``rows`` (1 for ``rows <= 1``)."""
     bucket = 1
     while rows > bucket:
         bucket *= 2
@@ -146,15 +133,9 @@ _lib.impl("tt_contract", _tt_contract, "CompositeImplicitAutograd")
 _lib.impl("tt_lookup", _tt_lookup, "CompositeImplicitAutograd")
 
 
-def planned_contract(
-    x: Tensor,
-    cores: Sequence[Tensor],
-    kind: str,
-    in_modes: Sequence[int],
-    out_modes: Sequence[int],
-    objective: str = "combo",
-    autotune: bool = False,
-) -> Tensor:
+def planned_contract(x: Tensor, cores: Sequence[Tensor], kind: str, in_modes: Sequence[int],
+                     out_modes: Sequence[int], objective: str = "combo",
+                     autotune: bool = False) -> Tensor:
     """``x (rows, *in_modes)`` contracted with a TT (``kind="tt"``) or TTM (``"ttm"``) chain
     through the plan of the rows' bucket, as one traceable op."""
     return CONTRACT(
@@ -162,8 +143,7 @@ def planned_contract(
     )
 
 
-def planned_lookup(
-    ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int], col_modes: Sequence[int]
-) -> Tensor:
+def planned_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
+                   col_modes: Sequence[int]) -> Tensor:
     """Rows of a TTM embedding table for 1-d ``ids``, as one traceable op."""
     return LOOKUP(ids, list(cores), list(row_modes), list(col_modes))

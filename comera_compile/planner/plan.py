@@ -1,8 +1,4 @@
-"""A contraction plan: the chosen tree of one network for one batch-size bucket.
-
-Plans are plain data (they round-trip through JSON for the disk cache and the records);
-the compiled pairwise program is built lazily and cached on the object, never serialized.
-"""
+"""A contraction plan: the chosen tree of one network for one batch-size bucket."""
 
 from __future__ import annotations
 
@@ -27,12 +23,7 @@ def _number(value: Any) -> float:
 
 @dataclass(eq=False)
 class Plan:
-    """How to contract ``equation``: an SSA ``path`` and what it costs.
-
-    ``macs`` are multiply-adds (cotengra's flops), ``peak`` the largest intermediate and
-    ``write`` the total intermediate elements, all at ``sizes`` (batch = ``rows_bucket``);
-    ``cost`` is the value of ``objective`` (gradient-aware when ``training``).
-    """
+    """How to contract ``equation``: an SSA ``path`` and what it costs."""
 
     kind: str
     equation: str
@@ -98,43 +89,24 @@ class Plan:
         return run_program(program, operands, bias)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "equation": self.equation,
-            "sizes": dict(sorted(self.sizes.items())),
-            "names": list(self.names),
-            "path": [list(p) for p in self.path],
-            "macs": self.macs,
-            "peak": self.peak,
-            "write": self.write,
-            "cost": self.cost,
-            "objective": self.objective,
-            "cotengra_version": self.cotengra_version,
-            "rows_bucket": self.rows_bucket,
-            "optimizer": self.optimizer,
-            "training": self.training,
-            "autotuned": self.autotuned,
-            "format_version": self.format_version,
-        }
+        return {"kind": self.kind, "equation": self.equation,
+                "sizes": dict(sorted(self.sizes.items())), "names": list(self.names),
+                "path": [list(p) for p in self.path], "macs": self.macs, "peak": self.peak,
+                "write": self.write, "cost": self.cost, "objective": self.objective,
+                "cotengra_version": self.cotengra_version, "rows_bucket": self.rows_bucket,
+                "optimizer": self.optimizer, "training": self.training, "autotuned": self.autotuned,
+                "format_version": self.format_version}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Rebuild a plan from :meth:`to_dict` output (types checked, not the cost)."""
-        return cls(
-            kind=str(data["kind"]),
-            equation=str(data["equation"]),
-            sizes={str(k): int(v) for k, v in data["sizes"].items()},
-            names=tuple(str(n) for n in data["names"]),
-            path=[(int(a), int(b)) for a, b in data["path"]],
-            macs=int(data["macs"]),
-            peak=int(data["peak"]),
-            write=int(data["write"]),
-            cost=_number(data["cost"]),
-            objective=str(data["objective"]),
-            cotengra_version=str(data["cotengra_version"]),
-            rows_bucket=int(data["rows_bucket"]),
-            optimizer=str(data.get("optimizer", "")),
-            training=bool(data.get("training", False)),
-            autotuned=bool(data.get("autotuned", False)),
-            format_version=int(data.get("format_version", -1)),
-        )
+        return cls(kind=str(data["kind"]), equation=str(data["equation"]),
+                   sizes={str(k): int(v) for k, v in data["sizes"].items()},
+                   names=tuple(str(n) for n in data["names"]),
+                   path=[(int(a), int(b)) for a, b in data["path"]], macs=int(data["macs"]),
+                   peak=int(data["peak"]), write=int(data["write"]), cost=_number(data["cost"]),
+                   objective=str(data["objective"]), cotengra_version=str(data["cotengra_version"]),
+                   rows_bucket=int(data["rows_bucket"]), optimizer=str(data.get("optimizer", "")),
+                   training=bool(data.get("training", False)),
+                   autotuned=bool(data.get("autotuned", False)),
+                   format_version=int(data.get("format_version", -1)))

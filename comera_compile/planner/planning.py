@@ -63,51 +63,25 @@ def canonical_path(path: list[tuple[int, int]], num_inputs: int) -> list[tuple[i
     return out
 
 
-def make_plan(
-    network: Network,
-    path: list[tuple[int, int]],
-    objective: str,
-    training: bool,
-    optimizer: str,
-) -> Plan:
+def make_plan(network: Network, path: list[tuple[int, int]], objective: str, training: bool,
+              optimizer: str) -> Plan:
     """A :class:`Plan` for ``path`` on ``network`` with its costs evaluated by us."""
     path = canonical_path(path, len(network.inputs))
     cost = evaluate_path(
         network.inputs, network.output, network.size_dict, path, objective, training
     )
-    return Plan(
-        kind=network.kind,
-        equation=network.equation,
-        sizes=network.size_dict,
-        names=network.names,
-        path=list(path),
-        macs=cost.macs,
-        peak=cost.peak,
-        write=cost.write,
-        cost=cost.cost,
-        objective=objective,
-        cotengra_version=cotengra.__version__,
-        rows_bucket=network.size_dict.get(BATCH, 1),
-        optimizer=optimizer,
-        training=training,
-    )
+    return Plan(kind=network.kind, equation=network.equation, sizes=network.size_dict,
+                names=network.names, path=list(path), macs=cost.macs, peak=cost.peak,
+                write=cost.write, cost=cost.cost, objective=objective,
+                cotengra_version=cotengra.__version__, rows_bucket=network.size_dict.get(BATCH, 1),
+                optimizer=optimizer, training=training)
 
 
-def plan_network(
-    network: Network,
-    *,
-    objective: str = "combo",
-    training: bool = False,
-    autotune: bool = False,
-    dtype: torch.dtype = torch.float32,
-    device_type: str = "cpu",
-    operands_example: Sequence[Tensor] | None = None,
-) -> Plan:
-    """Search the best tree of ``network`` (no caching; sizes are used as given).
-
-    Trees that merge the cores into a matrix as large as the dense weight are ruled out:
-    at large batches they can win on multiply-adds (TTM especially), but a layer that
-    rebuilds its weight every forward gives back the memory it exists to save."""
+def plan_network(network: Network, *, objective: str = "combo", training: bool = False,
+                 autotune: bool = False, dtype: torch.dtype = torch.float32,
+                 device_type: str = "cpu",
+                 operands_example: Sequence[Tensor] | None = None) -> Plan:
+    """Search the best tree of ``network`` (no caching; sizes are used as given)."""
     obj = parse_objective(objective)
     k = AUTOTUNE_CANDIDATES if autotune else 1
     paths, optimizer = search_paths(network, obj, training, k)

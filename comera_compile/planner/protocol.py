@@ -1,10 +1,4 @@
-"""What every layer plan offers, whatever it contracts: one protocol, one split.
-
-A plan is the decision (which tree or split serves a row bucket, at what cost); a
-:class:`~comera_compile.planner.plan.Plan` runs through the executor, an
-:class:`~comera_compile.planner.embedding.EmbeddingPlan` through ``planner.lookup``.
-Records, reports and layers use only this surface.
-"""
+"""What every layer plan offers, whatever it contracts: one protocol, one split."""
 
 from __future__ import annotations
 

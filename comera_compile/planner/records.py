@@ -1,10 +1,4 @@
-"""Plan records: one row per (layer, batch size) saying which tree runs and what it costs.
-
-``comera_compile.plans(model, ...)`` builds a :class:`PlanReport` from layers; this module
-only knows the plan protocol (:class:`~comera_compile.planner.protocol.ForwardPlan`), never
-which kind of plan it holds. Costs are re-evaluated at the record's own batch size (a plan serves a
-whole power-of-two bucket), so ``macs`` is what that batch really pays.
-"""
+"""Plan records: one row per (layer, batch size) saying which tree runs and what it costs."""
 
 from __future__ import annotations
 
@@ -89,20 +83,7 @@ def record_plan(name: str, plan: ForwardPlan, dense_macs: int, batch_size: int) 
     """The record of ``plan`` serving layer ``name`` at exactly ``batch_size`` rows."""
     batch_size = int(batch_size)
     at = plan.cost_at(batch_size)
-    return PlanRecord(
-        name,
-        plan.kind,
-        batch_size,
-        plan.order_expression(),
-        at.macs,
-        at.peak,
-        int(dense_macs),
-        at.macs / dense_macs if dense_macs else float("nan"),
-        plan.equation,
-        at.sizes,
-        list(plan.path),
-        plan.objective,
-        at.cost,
-        plan.optimizer,
-        plan.rows_bucket,
-    )
+    return PlanRecord(name, plan.kind, batch_size, plan.order_expression(), at.macs, at.peak,
+                      int(dense_macs), at.macs / dense_macs if dense_macs else float("nan"),
+                      plan.equation, at.sizes, list(plan.path), plan.objective, at.cost,
+                      plan.optimizer, plan.rows_bucket)

@@ -1,10 +1,4 @@
-"""Plan regions: the row counts one compiled graph serves with one contraction program.
-
-A TT chain's best order changes only a few times over all row counts, so a symbolic row
-count is guarded to its region: the neighbouring power-of-two buckets where the plan of the
-rows' own bucket costs at most ``SLACK`` more than each bucket's best. Regions are found
-out to ``MAX_BUCKET`` rows; one that reaches it has no upper bound.
-"""
+"""Plan regions: the row counts one compiled graph serves with one contraction program."""
 
 from __future__ import annotations
 
@@ -17,9 +11,8 @@ MAX_BUCKET = 1 << 24  # beyond it the costs only scale with the rows: the plan s
 SLACK = 0.1  # a region's plan may cost this much more than a bucket's own best plan
 
 
-def region_of(
-    plan_at: Callable[[int], Any], bucket: int, slack: float = SLACK
-) -> tuple[int, int | None]:
+def region_of(plan_at: Callable[[int], Any], bucket: int,
+              slack: float = SLACK) -> tuple[int, int | None]:
     """``(low, high)``: the widest run of power-of-two buckets around ``bucket`` where
     ``plan_at(bucket)`` costs at most ``1 + slack`` times ``plan_at(b)`` (plans with a
     ``cost_at(rows).cost``); ``high`` is None when the run reaches ``MAX_BUCKET``."""
@@ -38,10 +31,7 @@ def region_of(
 
 
 def guard_to_region(rows: int | torch.SymInt, low: int, high: int | None) -> None:
-    """Check that ``rows`` lies in the buckets ``low..high``, i.e. ``low/2 < rows <= high``.
-
-    On a symbolic ``rows`` each comparison becomes a shape guard, so the graph is reused
-    for every row count of the region and recompiled outside it."""
+    """Check that ``rows`` lies in the buckets ``low..high``, i.e. ``low/2 < rows <= high``."""
     above = low == 1 or rows > low // 2
     below = high is None or rows <= high
     if not (above and below):

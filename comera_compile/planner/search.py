@@ -1,8 +1,5 @@
 """Find the contraction tree of a network: cotengra for standard objectives, our exact DP
-for the gradient-aware cost and for autotuning's top-k.
-
-Which search ran is returned as a string and lands in the plan and its records.
-"""
+for the gradient-aware cost and for autotuning's top-k."""
 
 from __future__ import annotations
 
@@ -54,43 +51,21 @@ def cotengra_path(network: Network, objective: Objective) -> tuple[list[tuple[in
         )
     with warnings.catch_warnings(), _seeded_global_random(HYPER_SEED):
         warnings.simplefilter("ignore")
-        opt = cotengra.HyperOptimizer(
-            methods=["greedy"],
-            minimize=objective.name,
-            parallel=False,
-            max_repeats=HYPER_REPEATS,
-            optlib="random",
-            seed=HYPER_SEED,
-            progbar=False,
-        )
+        opt = cotengra.HyperOptimizer(methods=["greedy"], minimize=objective.name, parallel=False,
+                                      max_repeats=HYPER_REPEATS, optlib="random", seed=HYPER_SEED,
+                                      progbar=False)
         tree = opt.search(inputs, output, sizes)
     path = [tuple(map(int, p)) for p in tree.get_ssa_path()]
     return path, f"cotengra.HyperOptimizer(greedy, random, repeats={HYPER_REPEATS}, seed=0)"
 
 
-def search_paths(
-    network: Network,
-    objective: Objective,
-    training: bool = False,
-    k: int = 1,
-    max_weight_size: int | None = None,
-) -> tuple[list[list[tuple[int, int]]], str]:
-    """Up to ``k`` candidate SSA paths, best first, and the name of the search used.
-
-    ``k > 1`` or ``training`` need our DP; above its size limit we fall back to cotengra's
-    single plain-objective path and say so in the returned name.
-    """
+def search_paths(network: Network, objective: Objective, training: bool = False, k: int = 1,
+                 max_weight_size: int | None = None) -> tuple[list[list[tuple[int, int]]], str]:
+    """Up to ``k`` candidate SSA paths, best first, and the name of the search used."""
     n = len(network.inputs)
     if (k > 1 or training or max_weight_size) and n <= MAX_DP_OPERANDS:
-        trees = kbest_trees(
-            network.inputs,
-            network.output,
-            network.size_dict,
-            objective,
-            training,
-            k,
-            max_weight_size,
-        )
+        trees = kbest_trees(network.inputs, network.output, network.size_dict, objective, training,
+                            k, max_weight_size)
         notes = ", training" if training else ""
         notes += ", no dense weight" if max_weight_size else ""
         name = f"comera.exact_dp(k={k}{notes})"

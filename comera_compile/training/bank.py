@@ -1,9 +1,4 @@
-"""All rank gates of a model as one vector, so per-step bookkeeping is a few fused ops.
-
-Looping over hundreds of gate vectors costs tiny kernels and host syncs per gate;
-``GateBank`` concatenates them and reads per-bond quantities with segment sums, rebuilding
-its index tensors only when a prune changes the gate sizes.
-"""
+"""All rank gates of a model as one vector, so per-step bookkeeping is a few fused ops."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""A causal language model's loss whose backward keeps no copy of the logits.
-
-``F.cross_entropy`` keeps its ``log_softmax`` output and writes two more logit-sized
-tensors in backward; with a large vocabulary those are the step's largest tensors.
-:func:`causal_lm_loss` computes the value from the logits and a per-row log-sum-exp in
-blocks of rows, and its backward writes ``softmax - onehot`` into one new tensor.
-
-Where the logits come straight from the output head (``nn.Linear``, or CoLA, marked by
-:func:`tag_head_outputs`), the loss keeps the head's narrow input instead and remakes the
-logits block by block in backward, for one more product of the head's last factor.
-"""
+"""A causal language model's loss whose backward keeps no copy of the logits."""
 
 from __future__ import annotations
 

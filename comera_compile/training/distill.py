@@ -2,10 +2,6 @@
 
     student = cc.optimize(copy.deepcopy(teacher), 0.75, init="dense", compile=False)
     losses = cc.training.distill(student, teacher, batches, steps=500)
-
-The dense model is a free teacher on any unlabeled input. ``distill_loss`` is the term for
-a user's own loop and ``distill`` the loop; ``fit_layers`` is the cheap first stage, each
-compressed layer fitted alone to its dense original on the inputs it sees.
 """
 
 from __future__ import annotations
@@ -67,31 +63,18 @@ class _Recorder:
             handle.remove()
 
 
-def distill(
-    student: nn.Module,
-    teacher: nn.Module,
-    batches: Iterable[Any],
-    *,
-    steps: int | None = None,
-    lr: float = 3e-4,
-    optimizer: torch.optim.Optimizer | None = None,
-    output_fn: Callable[[Any, Any], Tensor] | None = None,
-    layers: Sequence[str] | None = None,
-    layer_weight: float = 1.0,
-    time_limit: float | None = None,
-    dropout: bool = False,
-    group_by_length: bool = True,
-    progress: bool = True,
-) -> list[float]:
+def distill(student: nn.Module, teacher: nn.Module, batches: Iterable[Any], *,
+            steps: int | None = None, lr: float = 3e-4,
+            optimizer: torch.optim.Optimizer | None = None,
+            output_fn: Callable[[Any, Any], Tensor] | None = None,
+            layers: Sequence[str] | None = None, layer_weight: float = 1.0,
+            time_limit: float | None = None, dropout: bool = False, group_by_length: bool = True,
+            progress: bool = True) -> list[float]:
     """Train ``student`` to reproduce ``teacher`` on ``batches``; returns the loss per step.
 
-    ``batches`` (as ``optimize``'s ``example_inputs``) are passed over until ``steps`` or
-    ``time_limit`` seconds (one pass when neither is given). ``output_fn(output, batch)`` picks
-    the tensor to match; ``layers`` adds those submodules' outputs, weighted by
-    ``layer_weight`` (default: the repeated blocks both models have; ``()``: the output only).
-    Padded tokens are left out of every match, and right-padded text batches are regrouped by
-    length (``group_by_length``). The teacher is never updated; the student runs without
-    dropout unless ``dropout=True``. The default ``lr`` suits a student made from the teacher.
+    ``batches`` are passed over until ``steps`` or ``time_limit`` (one pass by default);
+    ``output_fn(output, batch)`` picks the tensor to match and ``layers`` adds submodule
+    outputs, weighted by ``layer_weight``. The teacher is never updated.
     """
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be a positive int or None, got {steps!r}")
@@ -237,38 +220,21 @@ class _Inputs:
 
 
 def compressed_layers(student: nn.Module, teacher: nn.Module) -> list[str]:
-    """Names of the student's tensorized layers that replace a same-named teacher layer.
-
-    Any dense layer type counts (``nn.Linear``, ``nn.Embedding``, Hugging Face's ``Conv1D``,
-    ...): the fit only calls both modules on the same inputs.
-    """
+    """Names of the student's tensorized layers that replace a same-named teacher layer."""
     dense = dict(teacher.named_modules())
     return [name for name, module in student.named_modules()
             if isinstance(module, TensorizedLayer) and name in dense
             and not isinstance(dense[name], TensorizedLayer)]
 
 
-def fit_layers(
-    student: nn.Module,
-    teacher: nn.Module,
-    batches: Iterable[Any],
-    *,
-    layers: Sequence[str] | None = None,
-    time_limit: float = 60.0,
-    steps: int | None = None,
-    lr: float = 1e-3,
-    sample: int = 2048,
-    uniform: float = 0.1,
-    progress: bool = True,
-) -> dict[str, tuple[float, float]]:
+def fit_layers(student: nn.Module, teacher: nn.Module, batches: Iterable[Any], *,
+               layers: Sequence[str] | None = None, time_limit: float = 60.0,
+               steps: int | None = None, lr: float = 1e-3, sample: int = 2048, uniform: float = 0.1,
+               progress: bool = True) -> dict[str, tuple[float, float]]:
     """Fit each compressed layer to its dense original on the inputs it sees; in place.
 
-    The teacher runs over ``batches`` (for at most a third of a ``time_limit``) to record each
-    layer's inputs: a table's id frequencies, a linear layer's input Gram. A linear layer
-    first gets the closed-form output-aware decomposition (``formats.whiten``) where it scores
-    better; then its cores take Adam steps on the relative output error, for ``steps`` each or
-    the rest of ``time_limit`` shared by parameters. The best state seen is kept. Returns
-    ``{name: (loss before, loss after)}``.
+    Each layer takes ``steps`` Adam steps (or its share of ``time_limit``) and keeps the best
+    state seen. Returns ``{name: (loss before, loss after)}``.
     """
     if not 0.0 <= uniform <= 1.0:
         raise ValueError(f"uniform is a share of the sampled ids, in [0, 1]; got {uniform!r}")
@@ -408,8 +374,7 @@ def _closed_form(layer: nn.Module, dense: nn.Module, gram: Tensor | None,
 
 
 def _fit_one(layer: nn.Module, dense: nn.Module, draw: Callable[[], Tensor], limit: float,
-             steps: int | None, lr: float, name: str, progress: bool,
-             gram: Tensor | None = None,
+             steps: int | None, lr: float, name: str, progress: bool, gram: Tensor | None = None,
              frequencies: Tensor | None = None) -> tuple[float, float]:
     """Closed-form start (linear layers: the output-aware decomposition on the recorded
     Gram, kept if it scores better), then Adam on the cores; the best state seen wins, so

@@ -1,11 +1,5 @@
-"""Rank-adaptive training under ``torch.distributed`` data parallelism.
-
-``DistributedDataParallel`` fixes its gradient buckets to the shapes it was built with,
-and pruning changes them: ``PrunableDDP`` rebuilds the DDP wrapper on the first forward
-after a shape change. Every rank must prune alike: the gates are checked equal at each
-prune (``Collective``), the budget's removals come from rank 0, and the task loss is
-averaged over ranks.
-"""
+"""Rank-adaptive training under ``torch.distributed`` data parallelism. DDP fixes its gradient
+buckets to the shapes it was built with, so ``PrunableDDP`` rebuilds it after a prune."""
 
 from __future__ import annotations
 
@@ -73,9 +67,7 @@ class Collective:
 class PrunableDDP(nn.Module):
     """``DistributedDataParallel`` that survives pruning: rebuilt when shapes change.
 
-    ``PrunableDDP(model, **ddp_kwargs)`` takes DDP's keyword arguments. ``module`` is the
-    user's model; ``state_dict`` and ``parameters`` are the model's, under ``module.``.
-    """
+    Takes DDP's keyword arguments; ``module`` is the user's model."""
 
     def __init__(self, module: nn.Module, **ddp_kwargs: Any) -> None:
         super().__init__()

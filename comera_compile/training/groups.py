@@ -1,10 +1,5 @@
 """Optimizer parameter groups: structure-aware learning rates from the dense model's one,
-and the groups saved and restored by parameter name across prunes.
-
-Cores of very different fan-ins want different rates: ``param_groups(model, lr)`` gives
-each core the rate that moves its output as much as the dense layer would
-(``formats.scaling``), the gates ten times ``lr`` and the rest ``lr``.
-"""
+and the groups saved and restored by parameter name across prunes."""
 
 from __future__ import annotations
 
@@ -24,15 +19,9 @@ def _rate_key(value: float) -> float:
     return float(f"{value:.3g}")  # cores whose rates agree to 3 digits share a group
 
 
-def param_groups(
-    model: nn.Module,
-    lr: float | None = None,
-    *,
-    lr_cores: float | None = None,
-    lr_gates: float | None = None,
-    lr_rest: float | None = None,
-    weight_decay: float = 0.0,
-) -> list[dict[str, Any]]:
+def param_groups(model: nn.Module, lr: float | None = None, *, lr_cores: float | None = None,
+                 lr_gates: float | None = None, lr_rest: float | None = None,
+                 weight_decay: float = 0.0) -> list[dict[str, Any]]:
     """Parameter groups for ``torch.optim.AdamW`` (or any optimizer taking groups).
 
     ``lr``: the rate you would give the dense model. Each core then gets its fan-in's
@@ -74,14 +63,10 @@ def param_groups(
         if id(p) not in seen and p.requires_grad:
             rest.append(p)
             seen.add(id(p))
-    groups = [
-        {"name": "cores", "params": params, "lr": rate, "weight_decay": weight_decay}
-        for rate, params in sorted(core_rates.items())
-    ]
-    groups += [
-        {"name": "gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
-        {"name": "rest", "params": rest, "lr": lr_rest, "weight_decay": weight_decay},
-    ]
+    groups = [{"name": "cores", "params": params, "lr": rate, "weight_decay": weight_decay}
+              for rate, params in sorted(core_rates.items())]
+    groups += [{"name": "gates", "params": gates, "lr": lr_gates, "weight_decay": 0.0},
+               {"name": "rest", "params": rest, "lr": lr_rest, "weight_decay": weight_decay}]
     return [g for g in groups if g["params"]]
 
 

@@ -1,9 +1,4 @@
-"""Per-step record of rank-adaptive training: losses, stage, ranks, size, compression.
-
-One row per ``trainer.step()``. Ranks are kept per layer as the effective rank list, so a
-plot or a CSV can show which bonds shrank and when. ``skipped`` marks a step whose task
-loss was not finite: the schedule's statistics (loss EMA, switch rule) left it out.
-"""
+"""Per-step record of rank-adaptive training: losses, stage, ranks, size, compression."""
 
 from __future__ import annotations
 
@@ -43,11 +38,9 @@ class History:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         scalar = [k for k in self.records[0] if k != "ranks"] if self.records else []
-        bonds = [
-            (name, k)
-            for name in self.layer_names()
-            for k in range(1, len(self.records[0]["ranks"][name]) - 1)
-        ]
+        bonds = [(name, k)
+                 for name in self.layer_names()
+                 for k in range(1, len(self.records[0]["ranks"][name]) - 1)]
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(scalar + [f"rank:{name}:{k}" for name, k in bonds])

@@ -1,12 +1,4 @@
-"""The terms CoMERA adds to the task loss (all differentiable in the gates and cores).
-
-- ``rank_penalty``: the early stage's l1 on the rank gates, the mean magnitude of the
-  active entries (as the reference code has it), with an optional l2 on the cores so they
-  do not grow to undo the shrinking gates.
-- ``soft_size``: the late stage's size term ``R``, the core parameter count with each rank
-  replaced by the sum of its active ``|g|``: it weighs each bond by the parameters it costs,
-  so expensive bonds are cut first.
-"""
+"""The terms CoMERA adds to the task loss (all differentiable in the gates and cores)."""
 
 from __future__ import annotations
 

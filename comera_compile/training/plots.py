@@ -1,9 +1,4 @@
-"""Pictures of a training history: ranks per layer, and size / compression, over steps.
-
-``plot_ranks`` draws one panel per group of layers (names that differ only in a block
-index) beside the model's size with the late stage's budget and target. matplotlib is
-imported lazily, on the Agg backend.
-"""
+"""Pictures of a training history: ranks per layer, and size / compression, over steps."""
 
 from __future__ import annotations
 
@@ -59,9 +54,8 @@ def layer_groups(names: list[str]) -> dict[str, dict[str, str]]:
     return groups
 
 
-def plot_ranks(
-    history: History, path: str | Path = "ranks.png", target: float | None = None
-) -> Path:
+def plot_ranks(history: History, path: str | Path = "ranks.png",
+               target: float | None = None) -> Path:
     """The model's size over steps (late-stage budget dashed, ``target`` dotted: by
     default the late stage's last budget, which is its target ``S_t``), then one panel per
     group of layers with the mean effective internal rank of each over steps."""

@@ -1,11 +1,5 @@
-"""Drop dead rank channels during training, optimizer state included.
-
-``prune_ranks`` shrinks each core and gate in place (same Parameter objects), so the
-optimizer's per-parameter state is sliced the same way: any state tensor whose sizes are
-the parameter's or 1 (AdamW's moments, SGD's momentum, Adafactor's factored variances) is
-cut where it spans the pruned dimension, and scalar state is left alone. State of any
-other shape is dropped, with a warning, and starts afresh.
-"""
+"""Drop dead rank channels during training, optimizer state included: state laid out like
+the parameter is sliced with it; state of any other shape is reset, with a warning."""
 
 from __future__ import annotations
 
@@ -26,11 +20,8 @@ def _follows(shape: torch.Size, param_shape: list[int]) -> bool:
     )
 
 
-def slice_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    result: PruneResult,
-    shapes_before: dict[int, torch.Size],
-) -> None:
+def slice_optimizer_state(optimizer: torch.optim.Optimizer, result: PruneResult,
+                          shapes_before: dict[int, torch.Size]) -> None:
     """Replay ``result.slices`` on the optimizer state: at each slice, every state tensor
     laid out like the parameter (shape just before that slice) and spanning the pruned
     dimension is cut the same way; scalars and tensors broadcast along it are kept. A
@@ -39,11 +30,9 @@ def slice_optimizer_state(
     for param, dim, index in result.slices:
         old = shapes[id(param)]
         state = optimizer.state.get(param, {})
-        odd = [
-            name
-            for name, value in state.items()
-            if torch.is_tensor(value) and value.numel() > 1 and not _follows(value.shape, old)
-        ]
+        odd = [name
+               for name, value in state.items()
+               if torch.is_tensor(value) and value.numel() > 1 and not _follows(value.shape, old)]
         if odd:
             _reset_state(optimizer, param, odd, old)
             state = {}
@@ -53,9 +42,8 @@ def slice_optimizer_state(
         old[dim] = index.numel()
 
 
-def _reset_state(
-    optimizer: torch.optim.Optimizer, param: torch.Tensor, names: list[str], shape: list[int]
-) -> None:
+def _reset_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, names: list[str],
+                 shape: list[int]) -> None:
     shapes = ", ".join(f"'{n}' {list(optimizer.state[param][n].shape)}" for n in names)
     warnings.warn(
         f"{type(optimizer).__name__} state {shapes} of a parameter of shape {shape} is not "
@@ -69,14 +57,11 @@ def _reset_state(
 
 
 @torch.no_grad()
-def prune_model(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, PruneResult]:
+def prune_model(model: nn.Module,
+                optimizer: torch.optim.Optimizer | None = None) -> dict[str, PruneResult]:
     """``prune_ranks`` on every tensorized layer, slicing the optimizer's state to match.
 
-    Returns the results of the layers that lost channels, by module name. Layers drop their
-    cached contraction plans themselves, so the next forward plans for the new ranks.
-    """
+    Returns the results of the layers that lost channels, by module name."""
     results = {}
     for name, layer in tensorized_layers(model).items():
         result = prune_layer(layer, optimizer)
@@ -86,9 +71,8 @@ def prune_model(
 
 
 @torch.no_grad()
-def prune_layer(
-    layer: TensorizedLayer, optimizer: torch.optim.Optimizer | None = None
-) -> PruneResult:
+def prune_layer(layer: TensorizedLayer,
+                optimizer: torch.optim.Optimizer | None = None) -> PruneResult:
     """``layer.prune_ranks()`` with the optimizer's state sliced to match."""
     shapes_before = {id(p): p.shape for p in (*layer.cores, *layer.gates)}
     result = layer.prune_ranks()
@@ -99,13 +83,7 @@ def prune_layer(
 
 @torch.no_grad()
 def keep_min_rank(model: nn.Module, min_rank: int = 1) -> int:
-    """Hold the ``min_rank`` largest gate entries of every bond above the threshold.
-
-    A bond with no live channel zeroes its whole layer (the chain has a zero matrix in the
-    middle), and a dead gate gets no gradient to come back: the rank penalty must shrink
-    layers, never silently switch them off. Returns how many entries were lifted. Reads
-    the live counts of all bonds with one host transfer; only short bonds cost more.
-    """
+    """Hold the ``min_rank`` largest gate entries of every bond above the threshold."""
     bank = GateBank(model)
     if not len(bank):
         return 0
@@ -135,13 +113,9 @@ def lift_short_bonds(bank: GateBank, counts: list[int], min_rank: int) -> int:
 
 
 @torch.no_grad()
-def revive_fresh_deaths(
-    bank: GateBank,
-    counts: list[int],
-    deficit: float,
-    optimizer: torch.optim.Optimizer | None = None,
-    unit: list[int] | None = None,
-) -> int:
+def revive_fresh_deaths(bank: GateBank, counts: list[int], deficit: float,
+                        optimizer: torch.optim.Optimizer | None = None,
+                        unit: list[int] | None = None) -> int:
     """Switch channels that died at the threshold this step back on, the largest bond energy
     first, until the size has regained ``deficit``: under Adam a bond's gates fall at one rate
     and cross the threshold together, which would take the model far below its size.
@@ -186,14 +160,9 @@ def _clear_momentum(optimizer: torch.optim.Optimizer | None, param: torch.Tensor
 
 
 @torch.no_grad()
-def freeze_dead(
-    bank: GateBank, bonds: list[int], optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Set the dead entries of these bonds' gates to exactly 0, with their optimizer state.
-
-    A dead entry gets no gradient, but AdamW's momentum would still carry it on, through
-    zero and back above the threshold; with the gate and its moments at 0 it stays dead.
-    """
+def freeze_dead(bank: GateBank, bonds: list[int],
+                optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Set the dead entries of these bonds' gates to exactly 0, with their optimizer state."""
     gates = bank.gates
     for b in bonds:
         gate = gates[b]
@@ -212,13 +181,7 @@ def _mul_state(optimizer: torch.optim.Optimizer | None, param: torch.Tensor, kee
 
 @torch.no_grad()
 def channel_scores(bank: GateBank) -> list[torch.Tensor]:
-    """Per bond: the share of the bond's energy each live channel carries.
-
-    Channel ``j`` of bond ``k`` adds a rank-one term ``g_j a_j b_j`` to the chain, with
-    ``a_j`` the ``j``-th slice of the core on its left and ``b_j`` the one on its right;
-    its weight is ``(|g_j| |a_j| |b_j|) ** 2`` over the bond's total (-1 marks dead ones).
-    Shares, not raw sizes, so bonds of differently scaled layers compare.
-    """
+    """Per bond: the share of the bond's energy each live channel carries."""
     scores = []
     for b, (i, k) in enumerate(zip(bank.bond_layer, bank.bond_k)):
         layer = bank.layers[i]
@@ -233,14 +196,8 @@ def channel_scores(bank: GateBank) -> list[torch.Tensor]:
     return scores
 
 
-def choose_removals(
-    bank: GateBank,
-    scores: list[float],
-    counts: list[int],
-    excess: float,
-    min_rank: int,
-    unit: list[int] | None = None,
-) -> dict[int, list[int]]:
+def choose_removals(bank: GateBank, scores: list[float], counts: list[int], excess: float,
+                    min_rank: int, unit: list[int] | None = None) -> dict[int, list[int]]:
     """Channels to switch off so the size falls by ``excess``: the smallest energy shares first
     (``scores``, flat ``channel_scores``), never below ``min_rank`` per bond, and none costing
     more than twice what is left, so the size lands nearest the budget. ``unit``: bytes per
@@ -272,9 +229,8 @@ def choose_removals(
 
 
 @torch.no_grad()
-def switch_off(
-    bank: GateBank, chosen: dict[int, list[int]], optimizer: torch.optim.Optimizer | None = None
-) -> None:
+def switch_off(bank: GateBank, chosen: dict[int, list[int]],
+               optimizer: torch.optim.Optimizer | None = None) -> None:
     """Zero the chosen gate entries and their optimizer state (they are dead from now on)."""
     gates = bank.gates
     for b, entries in chosen.items():

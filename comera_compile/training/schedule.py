@@ -1,11 +1,6 @@
-"""The two stages of CoMERA training and the rules that move between them.
-
-Early stage: task loss plus a small gate penalty. Late stage: the reference's switch rule,
-``loss = 0.1 L + 0.01 R + lam R + (1 - lam) L``, optimising whichever of task loss and size
-is further from its target; or, where the run's length is known, a size budget that
-tightens on a cubic schedule (fast while there is slack, gently near the target) and
-reaches it with ``settle_fraction`` of the late stage left.
-"""
+"""The two stages of CoMERA training and the rules that move between them. Late stage: the
+switch rule ``0.1 L + 0.01 R + lam R + (1 - lam) L`` or, where the run's length is known, a
+size budget that tightens on a cubic schedule."""
 
 from __future__ import annotations
 
@@ -41,9 +36,8 @@ class SizeTargetSchedule:
     target: float
 
     @classmethod
-    def for_run(
-        cls, begin: int, total_steps: int, start: float, target: float, settle_fraction: float
-    ) -> SizeTargetSchedule:
+    def for_run(cls, begin: int, total_steps: int, start: float, target: float,
+                settle_fraction: float) -> SizeTargetSchedule:
         """The size target of a late stage from step ``begin`` to ``total_steps``."""
         span = max(1, math.ceil((total_steps - begin) * (1.0 - settle_fraction)))
         return cls(begin, min(begin + span, total_steps), float(start), float(target))
@@ -55,11 +49,7 @@ class SizeTargetSchedule:
 
 
 class Plateau:
-    """EMA of the task loss, and whether it has stopped improving.
-
-    The EMA smooths batch noise; a plateau is ``patience`` steps without the EMA dropping
-    below ``(1 - min_delta)`` of its best value. ``patience=None`` never reports one.
-    """
+    """EMA of the task loss, and whether it has stopped improving."""
 
     def __init__(self, patience: int | None = None, beta: float = 0.98, min_delta: float = 1e-3):
         self.patience, self.beta, self.min_delta = patience, beta, min_delta
@@ -69,10 +59,7 @@ class Plateau:
         self.count = 0
 
     def update(self, value: float) -> bool:
-        """Fold in one loss value; return True when the loss has plateaued.
-
-        A non-finite value (an overflowed AMP step, a bad batch) is skipped, as GradScaler
-        skips its step: one NaN would poison the EMA, and every later target, for good."""
+        """Fold in one loss value; return True when the loss has plateaued."""
         if not math.isfinite(value):
             return False
         self.count += 1

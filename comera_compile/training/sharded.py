@@ -1,18 +1,7 @@
 """Rank-adaptive training under FSDP2 (``torch.distributed.fsdp.fully_shard``), pruning included.
 
-FSDP2 lays out each group's collectives from the parameter shapes at wrap time, and a
-prune changes them, so:
-
-- ``shard(model)`` shards every block, then the root, but keeps the rank gates whole on
-  every rank (``ignored_params``): every step reads them and every rank must prune alike.
-  Their gradients are averaged once per backward.
-- ``prune_sharded`` gathers each group that holds dead channels with its optimizer state,
-  prunes as on one process and shards it again, rebuilding the group's ``FSDPParam`` list
-  with FSDP2's own constructor (internals checked by ``tests/test_training_fsdp.py``).
-
-``save_checkpoint`` / ``load_checkpoint`` go through ``torch.distributed.checkpoint``;
-layouts ride in the state dict as in ``comera_compile.save``, and ``cut_to_checkpoint``
-cuts a fresh model to the saved ranks before sharding. Only 1-D meshes are handled.
+FSDP2 lays out its collectives from the shapes at wrap time, so a prune gathers, cuts and
+re-shards each changed group; the rank gates stay whole on every rank. 1-D meshes only.
 """
 
 from __future__ import annotations
@@ -33,16 +22,8 @@ from comera_compile.nn.gates import alive
 from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.pruning import prune_layer
 
-__all__ = [
-    "cut_to_checkpoint",
-    "full_state_dict",
-    "gates_of",
-    "is_sharded",
-    "load_checkpoint",
-    "prune_sharded",
-    "save_checkpoint",
-    "shard",
-]
+__all__ = ["cut_to_checkpoint", "full_state_dict", "gates_of", "is_sharded", "load_checkpoint",
+           "prune_sharded", "save_checkpoint", "shard"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -62,18 +43,12 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
-def shard(
-    model: nn.Module,
-    blocks: Iterable[nn.Module] | Callable[[nn.Module], bool] | None = None,
-    **fully_shard_kwargs: Any,
-) -> nn.Module:
+def shard(model: nn.Module, blocks: Iterable[nn.Module] | Callable[[nn.Module], bool] | None = None,
+          **fully_shard_kwargs: Any) -> nn.Module:
     """``fully_shard`` each block, then ``model`` itself, keeping the rank gates whole.
 
-    ``blocks``: the modules to shard as groups (a Hugging Face model's decoder layers by
-    default), or a predicate. Keyword arguments go to every ``fully_shard`` call;
-    ``shard_placement_fn`` and ``ignored_params`` are refused (a prune re-shards on dim 0, and
-    the gates are the ignored parameters). Call it before building the optimizer and the
-    trainer. Returns ``model``, sharded in place.
+    ``blocks``: the modules (or a predicate) sharded as groups; keywords go to every
+    ``fully_shard``. Call it before building the optimizer and the trainer.
     """
     for refused in ("shard_placement_fn", "ignored_params"):
         if fully_shard_kwargs.get(refused) is not None:
@@ -173,11 +148,8 @@ def _set_on_modules(fsdp_param: Any, param: nn.Parameter) -> None:
         setattr(module, name, param)
 
 
-def _move_params(
-    optimizer: torch.optim.Optimizer | None,
-    moves: dict[nn.Parameter, nn.Parameter],
-    convert: Callable[[Tensor, nn.Parameter], Tensor],
-) -> None:
+def _move_params(optimizer: torch.optim.Optimizer | None, moves: dict[nn.Parameter, nn.Parameter],
+                 convert: Callable[[Tensor, nn.Parameter], Tensor]) -> None:
     """Swap parameters in the optimizer's groups, their state converted along."""
     if optimizer is None:
         return
@@ -217,9 +189,8 @@ def _gather(group: Any, optimizer: torch.optim.Optimizer | None) -> list[nn.Para
     return list(moves.values())
 
 
-def _reshard(
-    group: Any, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None
-) -> None:
+def _reshard(group: Any, params: list[nn.Parameter],
+             optimizer: torch.optim.Optimizer | None) -> None:
     """Shard the group again at the parameters' new shapes, keeping the group object."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import _get_param_module_infos
@@ -243,9 +214,8 @@ def _reshard(
 
 
 @torch.no_grad()
-def prune_sharded(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, PruneResult]:
+def prune_sharded(model: nn.Module,
+                  optimizer: torch.optim.Optimizer | None = None) -> dict[str, PruneResult]:
     """``prune_model`` for a model sharded by ``shard``: each FSDP group holding a layer
     with dead channels is gathered, pruned and sharded again, optimizer state included.
     Collective: every rank must call it at the same step."""
@@ -294,11 +264,9 @@ def cut_to_checkpoint(model: nn.Module, checkpoint_id: str, prefix: str = "model
     metadata = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     layers = tensorized_layers(model)
     wanted = {f"{prefix}{name}.{LAYOUT_KEY}": name for name in layers}
-    state = {
-        key: torch.empty(metadata[key].size, dtype=torch.uint8)
-        for key in wanted
-        if key in metadata
-    }
+    state = {key: torch.empty(metadata[key].size, dtype=torch.uint8)
+             for key in wanted
+             if key in metadata}
     if layers and not state:
         raise ValueError(
             f"no tensorized layer layouts under '{prefix}' in {checkpoint_id}: saved by "
@@ -335,12 +303,8 @@ def _unblob(buffer: io.BytesIO) -> Any:
     return torch.load(buffer, weights_only=True)
 
 
-def save_checkpoint(
-    checkpoint_id: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer: Any | None = None,
-) -> None:
+def save_checkpoint(checkpoint_id: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer: Any | None = None) -> None:
     """Save a sharded model, its optimizer (state and groups) and the trainer's state
     (stage, schedule, history) to a ``torch.distributed.checkpoint`` directory.
     Collective."""
@@ -353,12 +317,8 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=checkpoint_id)
 
 
-def load_checkpoint(
-    checkpoint_id: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer: Any | None = None,
-) -> None:
+def load_checkpoint(checkpoint_id: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer: Any | None = None) -> None:
     """Resume from ``save_checkpoint``: ``model`` was cut to the saved ranks
     (``cut_to_checkpoint``) and sharded, ``optimizer`` and ``trainer`` built on it. The
     optimizer is regrouped as saved (rates included). Collective."""

@@ -1,9 +1,4 @@
-"""How big a model is: sizes at the effective ranks (plain integers, not loss terms).
-
-- ``model_size``: what the model weighs now: core parameters at the effective ranks plus
-  the live gate entries of every tensorized layer, plus every other parameter.
-- ``tensorized_compression``: dense weights over cores, over all tensorized layers.
-"""
+"""How big a model is: sizes at the effective ranks (plain integers, not loss terms)."""
 
 from __future__ import annotations
 
@@ -21,13 +16,9 @@ def effective_ranks_by_layer(model: nn.Module) -> dict[str, list[int]]:
     return bank.ranks(counts)
 
 
-def model_size(
-    model: nn.Module, in_bytes: bool = False, ranks: dict[str, list[int]] | None = None
-) -> int:
-    """Parameters (or bytes) the model needs once dead rank channels are dropped.
-
-    ``ranks`` (from ``effective_ranks_by_layer``) saves reading the gates again.
-    """
+def model_size(model: nn.Module, in_bytes: bool = False,
+               ranks: dict[str, list[int]] | None = None) -> int:
+    """Parameters (or bytes) the model needs once dead rank channels are dropped."""
     ranks = effective_ranks_by_layer(model) if ranks is None else ranks
     seen: set[int] = set()
     size = 0

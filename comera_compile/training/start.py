@@ -1,9 +1,4 @@
-"""Where a rank-adaptive run starts: larger than the size it should end at.
-
-The user names the share of the dense model to end with; ``optimize`` builds the model at
-``start_budget(budget)`` (twice it) and ``RankAdaptiveTrainer(..., target_budget=budget)``
-brings it back, letting the gates find where rank matters on the way.
-"""
+"""Where a rank-adaptive run starts: larger than the size it should end at."""
 
 from __future__ import annotations
 

@@ -6,19 +6,14 @@
         optimizer.zero_grad(); loss.backward(); optimizer.step()
         trainer.step()
 
-``loss`` adds the current stage's rank terms; ``step`` freezes dead channels at zero (with
-their optimizer state), prunes every ``prune_every`` steps and starts the late stage when
-due. With the run's length the late stage prunes to a cubic size schedule; without it, it
-follows the paper's switch rule. A model compiled at static ranks is cut only when enough
-is dead (``COMPILED_MIN_CUT``), since each cut recompiles. ``prune_every=None`` never
-changes shapes, for wrappers that fix them at wrap time. The stages, targets and their
-reasons: docs/rank-adaptive.md.
+Stage control lives in ``trainer_stages``, pruning in ``trainer_pruning`` and what a cut
+means for a compiled model in ``compiled``. The stages and their reasons:
+docs/rank-adaptive.md.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -28,58 +23,21 @@ from tqdm.auto import tqdm
 from comera_compile.formats import positive_int
 from comera_compile.nn import PruneResult
 from comera_compile.training.bank import GateBank
-from comera_compile.training.compiled import (
-    COMPILED_MIN_CUT,
-    announce_run,
-    is_compiled,
-    worth_cutting,
-)
+from comera_compile.training.compiled import COMPILED_MIN_CUT, announce_run, is_compiled
 from comera_compile.training.distributed import Collective, unwrap
 from comera_compile.training.groups import group_layout, regroup
 from comera_compile.training.history import History
-from comera_compile.training.pruning import (
-    channel_scores,
-    choose_removals,
-    freeze_dead,
-    lift_short_bonds,
-    prune_model,
-    revive_fresh_deaths,
-    switch_off,
-)
-from comera_compile.training.schedule import EARLY, LATE, Plateau, SizeTargetSchedule, size_weight
+from comera_compile.training.pruning import freeze_dead, lift_short_bonds
+from comera_compile.training.schedule import EARLY, LATE, Plateau, SizeTargetSchedule
 from comera_compile.training.size import model_size
 from comera_compile.training.start import end_ratio
+from comera_compile.training.trainer_pruning import PruneControl, check_gates_whole
+from comera_compile.training.trainer_stages import TARGET_TOLERANCE, StageControl
 
 __all__ = ["COMPILED_MIN_CUT", "TARGET_TOLERANCE", "RankAdaptiveTrainer", "is_compiled"]
 
 PRUNE_EVERY = 100
 """``prune_every="auto"``: how often dead channels are looked for and cut out."""
-
-TARGET_TOLERANCE = 0.05
-"""``target_reached``: the size is within this share of ``S_t``, above or below."""
-
-SWITCH_SLACK = 0.01
-"""The switch rule counts a size within this share above its budget as met: the size floor
-holds the size just above the budget, and a rule waiting for ``S <= S_t`` exactly would
-keep the task loss at a tenth of its weight for good."""
-
-def _is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 sharded (part of) ``model``; never imports FSDP where it is absent."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _check_gates_whole(bank: GateBank) -> None:
-    """Sharded gates would make every step's bookkeeping a collective: refuse them."""
-    if any(type(g).__name__ == "DTensor" for g in bank.gates):
-        raise ValueError(
-            "the rank gates are sharded (DTensor): shard the model with "
-            "comera_compile.training.shard, which keeps them whole on every rank, "
-            "instead of calling fully_shard yourself"
-        )
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
@@ -103,7 +61,7 @@ def _run_length(total_steps, epochs, steps_per_epoch) -> int | None:
     return None if total_steps is None else positive_int("total_steps", total_steps)
 
 
-class RankAdaptiveTrainer:
+class RankAdaptiveTrainer(StageControl, PruneControl):
     """Adds CoMERA's rank terms to the task loss and shrinks the model as it trains.
 
     The size target ``S_t`` is ``target_ratio`` of the size at construction, or
@@ -116,28 +74,15 @@ class RankAdaptiveTrainer:
     ``PrunableDDP``; under FSDP2 shard it with ``training.shard``.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        target_ratio: float = 0.2,
-        early_steps: int | str | None = "auto",
-        prune_every: int | str | None = "auto",
-        penalty_weight: float = 0.01,
-        l2_weight: float = 0.0,
-        target_params: int | None = None,
-        target_bytes: int | None = None,
-        task_target: float | None = None,
-        plateau_patience: int | None = None,
-        history: bool = True,
-        min_rank: int = 1,
-        total_steps: int | None = None,
-        epochs: int | None = None,
-        steps_per_epoch: int | None = None,
-        settle_fraction: float = 0.5,
-        progress: bool = False,
-        target_budget: float | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 target_ratio: float = 0.2, early_steps: int | str | None = "auto",
+                 prune_every: int | str | None = "auto", penalty_weight: float = 0.01,
+                 l2_weight: float = 0.0, target_params: int | None = None,
+                 target_bytes: int | None = None, task_target: float | None = None,
+                 plateau_patience: int | None = None, history: bool = True, min_rank: int = 1,
+                 total_steps: int | None = None, epochs: int | None = None,
+                 steps_per_epoch: int | None = None, settle_fraction: float = 0.5,
+                 progress: bool = False, target_budget: float | None = None) -> None:
         if sum(t is not None for t in (target_params, target_bytes, target_budget)) > 1:
             raise ValueError("give one of target_params, target_bytes and target_budget, not both")
         if target_budget is not None:  # the model was built at start_budget(target_budget)
@@ -156,18 +101,12 @@ class RankAdaptiveTrainer:
         min_rank = positive_int("min_rank", min_rank)
         if not 0 <= settle_fraction < 1:
             raise ValueError(f"settle_fraction must be in [0, 1), got {settle_fraction}")
-        if self.total_steps is not None and early_steps is not None:
-            if early_steps >= self.total_steps:
-                raise ValueError(
-                    f"early_steps={early_steps} leaves no late stage in a run of "
-                    f"{self.total_steps} steps; lower early_steps"
-                )
+        if None not in (self.total_steps, early_steps) and early_steps >= self.total_steps:
+            raise ValueError(f"early_steps={early_steps} leaves no late stage in a run of "
+                             f"{self.total_steps} steps; lower early_steps")
         self.model, self.optimizer = model, optimizer
-        self.target_ratio, self.target_params, self.target_bytes = (
-            target_ratio,
-            target_params,
-            target_bytes,
-        )
+        self.target_ratio, self.target_params = target_ratio, target_params
+        self.target_bytes = target_bytes
         self.early_steps, self.prune_every = early_steps, prune_every
         self.penalty_weight, self.l2_weight = penalty_weight, l2_weight
         self.task_target, self.min_rank = task_target, min_rank
@@ -175,7 +114,7 @@ class RankAdaptiveTrainer:
         self.cuts = 0  # prunes that changed shapes (each one a recompile when compiled)
         self.plateau = Plateau(plateau_patience)
         self.bank = GateBank(unwrap(model))
-        _check_gates_whole(self.bank)
+        check_gates_whole(self.bank)
         self.collective = Collective()
         self.steps = 0
         self._stage = EARLY
@@ -217,26 +156,6 @@ class RankAdaptiveTrainer:
         task_weight, extra = self.rank_terms()
         self._pending = {"task_loss": task_loss.detach(), "rank_loss": extra.detach()}
         return task_weight * task_loss + extra
-
-    def rank_terms(self) -> tuple[Tensor | float, Tensor]:
-        """``(w, extra)`` with this step's objective ``w * task_loss + extra``.
-
-        Early stage: ``w = 1``, ``extra`` the gate penalty. Late stage of a run of known
-        length (budget schedule): ``w = 1``, ``extra = 0.01 * R``. Late stage otherwise:
-        ``w = 1.1 - lam``, ``extra = (0.01 + lam) * R``, the paper's
-        ``0.1 L + 0.01 R + lam R + (1 - lam) L``. No host sync: ``lam`` is a tensor.
-        """
-        self._ensure_tensors()
-        if self._stage == EARLY:
-            weight, extra = 1.0, self.penalty_weight * self.bank.penalty()
-        elif self.schedule is not None:
-            weight, extra = 1.0, 0.01 * (self.bank.soft_size() / self._size_norm)
-        else:
-            size_term = self.bank.soft_size() / self._size_norm
-            weight, extra = 1.1 - self._lam, (0.01 + self._lam) * size_term
-        if self.l2_weight:
-            extra = extra + self.l2_weight * self.bank.core_l2()
-        return weight, extra
 
     def observe(self, task_loss: Tensor, rank_loss: Tensor | None = None) -> None:
         """Tell ``step`` this step's task loss (and rank terms) when ``loss`` was not the one
@@ -281,115 +200,6 @@ class RankAdaptiveTrainer:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-    # ----- stage control ------------------------------------------------------------------
-    def prune(self) -> dict[str, PruneResult]:
-        """Drop dead rank channels now (cores, gates and optimizer state). Under DDP or FSDP
-        the gates are first checked equal on every rank; a model sharded by
-        ``training.shard`` is gathered, pruned and sharded again group by group."""
-        self.collective.check_same(self.bank)
-        model = unwrap(self.model)
-        if _is_sharded(model):
-            from comera_compile.training.sharded import prune_sharded
-
-            self.last_pruned = prune_sharded(model, self.optimizer)
-            self.bank.refresh_cores()  # re-sharding made new core parameters
-        else:
-            self.last_pruned = prune_model(model, self.optimizer)
-        self.cuts += bool(self.last_pruned)
-        return self.last_pruned
-
-    def dead_share(self, counts: list[int] | None = None) -> float:
-        """The share of the cores' stored parameters that a prune now would remove."""
-        counts = self.bank.sizes() if counts is None else counts
-        stored = sum(self.bank.layer_parameters(self.bank.sizes()))
-        live = sum(self.bank.layer_parameters(counts))
-        return 1.0 - live / stored if stored else 0.0
-
-    def _prune_if_worth_it(self, counts: list[int], required: bool) -> None:
-        if worth_cutting(self.model, self.dead_share(counts), required, self.steps,
-                         self.total_steps):
-            self.prune()
-
-    def start_late_stage(self, counts: list[int] | None = None) -> None:
-        """Switch to the late stage now: prune (unless ``prune_every=None``), then fix
-        ``S_t``, ``L_t``, the R scale and the budget schedule."""
-        counts = self._read()[0] if counts is None else counts
-        if self.prune_every:
-            self._prune_if_worth_it(counts, required=False)
-        self.size_start = self._size_of(counts)
-        if self.target_bytes is not None:
-            self.size_target = float(self.target_bytes)
-        elif self.target_params is not None:
-            self.size_target = float(self.target_params)
-        else:
-            self.size_target = self.target_ratio * self._size_initial
-        if self.task_target is not None:
-            self.task_loss_target = float(self.task_target)
-        elif self.plateau.ema is not None:
-            self.task_loss_target = float(self.plateau.ema)
-        else:
-            raise RuntimeError("no task loss seen yet: call loss() before the late stage starts")
-        floor = self._size_of([min(self.min_rank, c) for c in counts])
-        if self.size_target < floor:
-            warnings.warn(
-                f"size target {self.size_target:,.0f} is below what the model weighs at "
-                f"min_rank={self.min_rank} ({floor:,}): layers left dense and biases set "
-                "the floor; tensorize more layers or raise the target",
-                stacklevel=2,
-            )
-        if self.total_steps is not None:
-            self.schedule = SizeTargetSchedule.for_run(
-                self.steps, self.total_steps, self.size_start, self.size_target,
-                self.settle_fraction,
-            )
-        self._ensure_tensors()
-        with torch.no_grad():
-            self._size_norm.copy_(self.bank.soft_size().clamp(min=1e-12))
-        self._stage = LATE
-
-    def budget(self, step: int | None = None) -> float | None:
-        """The size the late stage aims at by ``step`` (now by default): the scheduled
-        budget when the run's length is known, else ``S_t``."""
-        if self._stage != LATE:
-            return None
-        step = self.steps if step is None else step
-        return self.schedule(step) if self.schedule is not None else self.size_target
-
-    @property
-    def target_gap(self) -> float | None:
-        """``S / S_t - 1`` in the late stage (0: on target; -0.1: 10% below), else None."""
-        if self._stage != LATE:
-            return None
-        return self.size() / self.size_target - 1.0
-
-    @property
-    def target_reached(self) -> bool:
-        """True in the late stage while ``S`` is within ``TARGET_TOLERANCE`` of ``S_t``,
-        above or below (a model left far below its target has not reached it either), or,
-        in a model so small that one channel is a larger step, within half a channel of
-        ``S_t`` (where budget cuts land at worst)."""
-        if self._stage != LATE:
-            return False
-        counts = self._counts  # live channels after the last step
-        units = self._units() or [1] * len(self.bank.layers)
-        steps = [self.bank.cost_per_channel(counts, b) * units[self.bank.bond_layer[b]]
-                 for b in range(len(self.bank))]
-        slack = max(TARGET_TOLERANCE * self.size_target, max(steps, default=0) / 2)
-        return abs(self.size() - self.size_target) <= slack
-
-    def size_floor(self) -> float | None:
-        """The size that channels dying at the threshold may not take the model below: the
-        budget in the late stage; in the early stage the target itself (``target_params``,
-        ``target_bytes``, or ``target_ratio`` of the starting size), so the early stage's
-        deaths count against it too."""
-        if self._stage == LATE:
-            return self.budget()
-        if self.target_bytes is not None:
-            return float(self.target_bytes)
-        if self.target_params is not None:
-            return float(self.target_params)
-        return self.target_ratio * self._size_initial
 
     # ----- internals ----------------------------------------------------------------------
     def _advance_bar(self, size: int, task_loss: float | None) -> None:
@@ -449,72 +259,12 @@ class RankAdaptiveTrainer:
             sizes = [s * u for s, u in zip(sizes, units)]
         return sum(sizes) + self._other
 
-    def _hold_floor(self, counts: list[int]) -> None:
-        """Where this step's threshold deaths took the size below ``size_floor`` (and below where
-        it was), switch the most energetic back on (``revive_fresh_deaths``): channels go below
-        the budget only by choice (``_meet_budget``)."""
-        floor = self.size_floor()
-        if floor is None:
-            return
-        size = self._size_of(counts)
-        deficit = min(floor, self._size_of(self._counts)) - size
-        if deficit > 0:
-            revive_fresh_deaths(self.bank, counts, deficit, self.optimizer, self._units())
-
-    def _budget_check_due(self) -> bool:
-        """Prune points, and where a schedule must hold: ten points over its span, its end
-        and the last step. Meeting the budget only switches channels off (no shape
-        changes), so it can follow the schedule closely; shapes change at prune points."""
-        every = self.prune_every
-        if self.schedule is None:
-            return bool(every) and self.steps % every == 0
-        span = max(1, (self.schedule.end - self.schedule.begin) // 10)
-        if (every and self.steps % every == 0) or (self.steps - self.schedule.begin) % span == 0:
-            return True
-        return self.steps in (self.schedule.end, self.total_steps)
-
-    def _prune_due(self) -> bool:
-        """Every ``prune_every`` steps, where the budget schedule ends (so the rest of the
-        run trains, and runs, at the final size) and at the run's last step."""
-        if not self.prune_every:
-            return False
-        return self.steps % self.prune_every == 0 or self._final_shapes_due()
-
-    def _final_shapes_due(self) -> bool:
-        ends = (self.schedule.end if self.schedule is not None else None, self.total_steps)
-        return self._stage == LATE and self.steps in ends
-
-    def _meet_budget(self, counts: list[int]) -> None:
-        """Switch off the least important channels while the size lags the budget
-        (``choose_removals`` updates ``counts`` to match)."""
-        if self.schedule is None:
-            return
-        excess = self._size_of(counts) - self.schedule(self.steps)
-        if excess <= 0:
-            return
-        scores = torch.cat(channel_scores(self.bank))
-        scores = self.collective.from_first(scores).tolist()  # rank 0 decides for everyone
-        chosen = choose_removals(self.bank, scores, counts, excess, self.min_rank, self._units())
-        switch_off(self.bank, chosen, self.optimizer)
-
-    def _switch(self, task_loss: float | None, size: int) -> float:
-        """The paper's switch rule, against the current budget."""
-        if task_loss is None or not math.isfinite(task_loss):
-            return self.lam  # a non-finite loss says nothing about the gap: keep the choice
-        budget = self.budget(self.steps + 1)
-        if size <= budget * (1 + SWITCH_SLACK):
-            return 0.0
-        return size_weight(task_loss, self.task_loss_target, size, budget)
-
-    def _record(
-        self, counts: list[int], size: int, task_loss: float | None, rank_loss: float | None
-    ) -> None:
+    def _record(self, counts: list[int], size: int, task_loss: float | None,
+                rank_loss: float | None) -> None:
         ranks = self.bank.ranks(counts)
         dense = sum(lay.dense_parameters for lay in self.bank.layers)
-        cores = sum(
-            lay.num_core_parameters(ranks[name])
-            for name, lay in zip(self.bank.names, self.bank.layers)
-        )
+        cores = sum(lay.num_core_parameters(ranks[name])
+                    for name, lay in zip(self.bank.names, self.bank.layers))
         self._history.record(
             step=self.steps,
             stage=self._stage,
@@ -532,24 +282,16 @@ class RankAdaptiveTrainer:
 
     # ----- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Stage, step count, targets, schedule, loss EMA and history (not the model or
-        optimizer)."""
-        return {
-            "steps": self.steps,
-            "stage": self._stage,
-            "size_start": self.size_start,
-            "size_initial": self._size_initial,
-            "size_target": self.size_target,
-            "task_loss_target": self.task_loss_target,
-            "size_norm": float(self._size_norm) if self._tensors_ready else 1.0,
-            "lam": self.lam,
-            "counts": list(self._counts),
-            "cuts": self.cuts,
-            "schedule": None if self.schedule is None else vars(self.schedule).copy(),
-            "plateau": self.plateau.state_dict(),
-            "history": None if self._history is None else self._history.state_dict(),
-            "param_groups": group_layout(unwrap(self.model), self.optimizer),
-        }
+        """Stage, step count, targets, schedule, loss EMA and history (not model, optimizer)."""
+        return {"steps": self.steps, "stage": self._stage, "size_start": self.size_start,
+                "size_initial": self._size_initial, "size_target": self.size_target,
+                "task_loss_target": self.task_loss_target,
+                "size_norm": float(self._size_norm) if self._tensors_ready else 1.0,
+                "lam": self.lam, "counts": list(self._counts), "cuts": self.cuts,
+                "schedule": None if self.schedule is None else vars(self.schedule).copy(),
+                "plateau": self.plateau.state_dict(),
+                "history": None if self._history is None else self._history.state_dict(),
+                "param_groups": group_layout(unwrap(self.model), self.optimizer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: load the model's state dict first (it resizes pruned layers), build the

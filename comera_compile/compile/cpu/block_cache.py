@@ -1,20 +1,7 @@
 """Keep freed large CPU blocks by exact size, so a training step reuses the last step's.
 
-A step allocates the same large activations every step; glibc either unmaps them (a page
-fault per page each step) or keeps them in a heap that fragments. This allocator maps each
-block of ``min_bytes`` or more on its own and keeps it, once freed, for the next request of
-that size. Kept blocks no request took in the last ``max_idle`` large requests are
-unmapped, and the bytes kept free never exceed 1.5 times the peak in use (nor
-``max_kept``). Smaller requests go to the allocator it replaces.
-
-It is a small C++ file built against c10 on first use and installed with
-``c10::SetCPUAllocator``, only when asked for (``host_memory="cache"``). The library is
-built under the user-private cache directory (``planner.cache.cache_root``; a private
-temporary one otherwise), its SHA-256 recorded when built and checked before loading, and
-the checked bytes are what is loaded (from an anonymous in-memory file), so a library
-changed on disk never runs. :func:`install` returns False, with one INFO line saying why,
-where it cannot be built or loaded.
-"""
+A small C++ allocator built on first use (``host_memory="cache"``), its hash checked before
+loading; :func:`install` returns False, with one INFO line, where it cannot be built."""
 
 from __future__ import annotations
 

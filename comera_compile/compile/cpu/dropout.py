@@ -1,17 +1,5 @@
-"""Dropout for CPU graphs: each mask element hashed from its index and a per-call key.
-
-aten's CPU dropout draws one float per element from a serial generator on one core. Here
-each call draws two 32-bit keys (so ``torch.manual_seed`` still fixes the masks) and
-element ``i`` is kept when a counter-based hash of ``(i, keys)`` clears a threshold: integer
-arithmetic inductor fuses into the kernel that applies the mask, with no random buffer.
-The keep probability is ``1 - round(p * 2^24) / 2^24`` and kept values are scaled by
-``1 / (1 - p)``, as aten does.
-
-:func:`hash_dropouts` rewrites ``F.dropout`` calls before AOT autograd; other dropout
-needs :func:`decompositions` (only for graphs that :func:`may_drop_out`, since such a
-table keeps a graph out of inductor's cache). :class:`DropoutTag` puts this file's hash
-into the cache keys so graphs cached with aten's dropout are never served for this one.
-"""
+"""Dropout for CPU graphs: each mask element hashed from its index and a per-call key. aten's
+CPU dropout draws from a serial generator on one core; the hash fuses into the kernel."""
 
 from __future__ import annotations
 
@@ -45,12 +33,7 @@ def _fmix32(h: Tensor) -> Tensor:
 
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device) -> Tensor:
-    """A boolean mask whose elements are True with probability ``1 - round(p*2^24)/2^24``.
-
-    Two keys per call from torch's generator; element ``i`` (row-major index, modulo
-    2^32: a tensor of more than 4G elements repeats its mask) hashes ``i`` with them. The
-    index is an ``arange`` over the element count, so a symbolic batch dimension stays
-    symbolic: no shape guard pins the graph to one batch size."""
+    """A boolean mask whose elements are True with probability ``1 - round(p*2^24)/2^24``."""
     keys = torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, device=device)
     index = torch.arange(math.prod(shape), dtype=torch.int64, device=device).view(shape)
     h = _fmix32(index.to(torch.int32) * WEYL + keys[0])  # the low 32 bits of the index

@@ -1,11 +1,4 @@
-"""Inductor's dtype rules built once per compile, not once per generated op.
-
-Inductor constructs ``DtypePropagationOpsHandler`` for every op it writes, and its
-``__init__`` rebuilds the whole rule table each time, which costs most where hashed dropout
-masks put many integer ops into a kernel. :func:`dtype_rules_once` runs the original
-``__init__`` only when the rule registries changed since it last ran.
-``CompileOptions(dtype_rules_once=False)`` turns it off.
-"""
+"""Inductor's dtype rules built once per compile, not once per generated op."""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """Opt-in, process-wide: keep freed host memory for reuse, or hand it back to the OS at once.
 
-glibc serves large blocks with their own ``mmap`` and unmaps them on ``free``, so a CPU
-training step that frees and allocates the same activations pays a page fault per page
-every step. The default, ``host_memory="off"``, changes nothing; the other modes change the
-whole process:
-
-- ``"cache"``: blocks of 1 MiB or more are kept by size for the next request of that size
-  (``compile.cpu.block_cache``); smaller ones stay in glibc's heap, as under ``"reuse"``;
-- ``"reuse"``: glibc's mmap and trim thresholds raised to 2 GiB, so freed blocks stay in
-  the heap (which keeps its peak and its holes);
-- ``"release"``: glibc's initial thresholds, adaptive raising off: every freed block of
-  128 KiB or more is unmapped at once.
-
-The first mode set stays (:func:`set_host_memory` changes it on purpose,
-:func:`restore_host_memory` undoes it). :func:`release_free_heap` hands back what a compile
-freed, a one-off ``malloc_trim``.
+``"cache"``: large blocks kept by size (``compile.cpu.block_cache``); ``"reuse"``: glibc's
+mmap and trim thresholds raised so freed blocks stay in the heap; ``"release"``: glibc's
+initial thresholds, every large freed block unmapped at once. The first mode set stays.
 """
 
 from __future__ import annotations

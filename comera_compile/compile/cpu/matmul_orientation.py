@@ -1,11 +1,4 @@
-"""Weight gradients of thin factors, computed in the orientation MKL runs fastest (CPU).
-
-For ``dB = h.T @ dy`` with a 32 to 64 wide ``h`` and a long reduction, MKL's sgemm runs the
-transposed problem ``(dy.T @ h).T`` faster (docs/cpu-performance.md, "Matmul
-orientation"). :func:`orient_thin_matmuls` rewrites ``mm(a, b)`` into ``mm(b.T, a.T).T``
-where ``a`` is a transposed view of at most ``MAX_ROWS`` rows, the reduction at least
-``MIN_DEPTH`` and ``b`` ``MIN_WIDTH`` to ``MAX_WIDTH`` wide; float32 only.
-"""
+"""Weight gradients of thin factors, computed in the orientation MKL runs fastest (CPU)."""
 
 from __future__ import annotations
 

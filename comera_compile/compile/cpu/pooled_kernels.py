@@ -1,11 +1,7 @@
 """Build a graph's CPU kernels in one compiler run per worker, not one run per kernel.
 
-Inductor builds every CPU kernel into its own shared library, and each ``g++`` run first
-loads the precompiled ATen header, so a first compile spends most of its C++ time starting
-compilers (docs/cpu-performance.md, "Pooled kernels"). Here one generated module's kernels
-are pooled into one source per compile worker, each in its own namespace with its own
-binding. Inductor's cache, worker pool and flags stay as they are; a failed pooled build
-falls back to one kernel at a time. ``CompileOptions(pooled_kernels=False)`` turns it off.
+Each ``g++`` run first loads the ATen header, so a first compile mostly starts compilers. A
+failed pooled build falls back to one kernel at a time; ``pooled_kernels=False`` turns it off.
 """
 
 from __future__ import annotations

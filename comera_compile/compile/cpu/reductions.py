@@ -1,10 +1,4 @@
-"""Sums over the rows of a large activation, split into blocks of rows (CPU graphs).
-
-Inductor's CPU loop for a bias or LayerNorm gradient's ``sum(g, [0])`` walks each group of
-columns down every row, a new page per load, well behind aten. :class:`SplitRowSums`, a
-post-grad pass, sums blocks of rows first and then the partial rows: as fast as aten, and
-still fused with the kernel that made the gradient.
-"""
+"""Sums over the rows of a large activation, split into blocks of rows (CPU graphs)."""
 
 from __future__ import annotations
 

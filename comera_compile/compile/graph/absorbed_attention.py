@@ -1,22 +1,5 @@
 """Attention through the rank bonds: Q, K, V and O projections that are TT, low-rank or
-CoLA layers never expand to the model width.
-
-A TT linear is ``W = L @ R`` with ``r`` its middle bond; CoLA is linear in ``R`` after its
-bond activation. So attention can run on the ``r``-wide bond activations ``t``, as
-multi-head latent attention absorbs its up-projections:
-
-* scores: ``Q_h K_h^T = (t_q M_h + c_h) t_k^T`` with ``M_h = s R_q,h R_k,h^T`` and
-  ``c_h = s R_k,h b_q,h``; the key bias shifts each row of scores, which softmax cancels;
-* values and output: ``concat_h(P_h V_h) L_o = sum_h P_h (t_v N_h) + (P_h 1)(b_v,h L_o,h)``
-  with ``N_h = R_v,h L_o,h``, then the O layer goes on from its bond.
-
-Both run as one ``scaled_dot_product_attention`` on ``r``-wide heads, so the model-wide Q,
-K, V and their head copies are never made. Applied on the dynamo graph (backward follows
-by autograd) only where it is cheaper (``r_k < d`` and ``r_o < d_v``). Matched: ``q``, ``k``,
-``v`` as ``layer(x).view(b, t, h, d).transpose(1, 2)`` or shares of one fused layer's output,
-and the output ``.transpose(1, 2).reshape(b, t, h * d)`` straight into a layer of the same
-kind; anything else (grouped queries, rotary embeddings, TTM, mixed kinds) is left alone.
-"""
+CoLA layers never expand to the model width."""
 from __future__ import annotations
 
 import logging
@@ -58,13 +41,12 @@ def _resolve(view: Sequence, rows) -> tuple:
     return b, t, h, d
 
 
-def attention_on_bonds(
-    tq: Tensor, tk: Tensor, tv: Tensor, rq: Tensor, rk: Tensor, rv: Tensor, lo: Tensor,
-    q_bias: Tensor | None, k_bias: Tensor | None, v_bias: Tensor | None,
-    q_view: Sequence, k_view: Sequence, v_view: Sequence, attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-    out_dims: int = 2,
-) -> Tensor:
+def attention_on_bonds(tq: Tensor, tk: Tensor, tv: Tensor, rq: Tensor, rk: Tensor, rv: Tensor,
+                       lo: Tensor, q_bias: Tensor | None, k_bias: Tensor | None,
+                       v_bias: Tensor | None, q_view: Sequence, k_view: Sequence, v_view: Sequence,
+                       attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+                       is_causal: bool = False, scale: float | None = None,
+                       out_dims: int = 2) -> Tensor:
     """``concat_h(attention_h) @ lo`` of a standard attention whose queries, keys and values
     are ``t @ R + b`` on bond activations ``t`` (``(..., r)``, rows in ``(b, t)`` order),
     computed without the model-wide Q, K and V (module docstring): ``rows x r_o``, or
@@ -108,14 +90,13 @@ def attention_on_bonds(
     return t_o if out_dims == 3 else t_o.reshape(-1, r_o)
 
 
-def absorbed_attention(
-    xq: Tensor, xk: Tensor, xv: Tensor,
-    q_cores: list[Tensor], k_cores: list[Tensor], v_cores: list[Tensor], o_cores: list[Tensor],
-    q_bias: Tensor | None, k_bias: Tensor | None, v_bias: Tensor | None,
-    n_in: tuple[int, int, int, int], q_view: Sequence, k_view: Sequence, v_view: Sequence,
-    o_out_shape: Sequence, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-    is_causal: bool = False, scale: float | None = None,
-) -> Tensor:
+def absorbed_attention(xq: Tensor, xk: Tensor, xv: Tensor, q_cores: list[Tensor],
+                       k_cores: list[Tensor], v_cores: list[Tensor], o_cores: list[Tensor],
+                       q_bias: Tensor | None, k_bias: Tensor | None, v_bias: Tensor | None,
+                       n_in: tuple[int, int, int, int], q_view: Sequence, k_view: Sequence,
+                       v_view: Sequence, o_out_shape: Sequence, attn_mask: Tensor | None = None,
+                       dropout_p: float = 0.0, is_causal: bool = False,
+                       scale: float | None = None) -> Tensor:
     """The O layer's contraction output (``rows x *out_modes``) of a standard attention whose
     projections are TT layers, computed through their bonds (module docstring)."""
     lq, rq = bond_factors(q_cores, n_in[0])

@@ -1,8 +1,4 @@
-"""Nodes that graph passes insert into AOT autograd's and inductor's graphs.
-
-Those graphs carry each node's fake value in ``meta["val"]`` (the partitioner sizes nodes
-by it, the lowering reads shapes from it), so an inserted node must carry one too.
-"""
+"""Nodes that graph passes insert into AOT autograd's and inductor's graphs."""
 
 from __future__ import annotations
 

@@ -1,17 +1,4 @@
-"""What a low activation budget recomputes in backward, and what it must keep.
-
-- Thin products are recomputed (:func:`recompute_thin_products`): a TT layer's last matmul
-  over a rank bond makes an output as large as a dense layer's from a ``rows x r`` input,
-  and remaking it costs about what reading it back does on a CPU. Outputs of at least
-  :data:`WIDE` bytes of matmuls that contract at most :data:`THIN` indices, and pointwise
-  ops computed from them alone, are marked ``MUST_RECOMPUTE``; AOT autograd's own flop
-  knapsack would recompute whole layers instead.
-- Random values are kept (:func:`save_random_values`): nothing replays the random stream
-  on CPU, so a recomputed dropout would draw a new mask. Hashed CPU masks keep their keys
-  and are remade; a per-element mask is kept as bits (:func:`pack_saved_masks`).
-- Comparison masks are remade in backward on CPU (:func:`recompute_masks`): inductor's CPU
-  kernels write and read boolean buffers slowly (docs/cpu-performance.md).
-"""
+"""What a low activation budget recomputes in backward, and what it must keep."""
 
 from __future__ import annotations
 
@@ -196,25 +183,20 @@ def pack_saved_masks(graph: fx.Graph) -> int:
                                      step=1, dtype=torch.uint8, device=value.device,
                                      requires_grad=False)
             packed = mask
-            for target, *args in (
-                (aten.view.default, [numel]),
-                (aten.constant_pad_nd.default, [0, groups * BITS - numel]),
-                (aten.view.default, [groups, BITS]),
-                (torch.ops.prims.convert_element_type.default, torch.uint8),
-                (aten.bitwise_left_shift.Tensor, shifts),
-                (aten.sum.dim_IntList, [1]),
-            ):
+            for target, *args in ((aten.view.default, [numel]),
+                                  (aten.constant_pad_nd.default, [0, groups * BITS - numel]),
+                                  (aten.view.default, [groups, BITS]),
+                                  (torch.ops.prims.convert_element_type.default, torch.uint8),
+                                  (aten.bitwise_left_shift.Tensor, shifts),
+                                  (aten.sum.dim_IntList, [1])):
                 kwargs = {"dtype": torch.uint8} if target is aten.sum.dim_IntList else {}
                 packed = call_with_value(graph, mode, target, packed, *args, **kwargs)
             unpacked = [call_with_value(graph, mode, aten.unsqueeze.default, packed, 1)]
-            for target, *args in (
-                (aten.bitwise_right_shift.Tensor, shifts),
-                (aten.bitwise_and.Scalar, 1),
-                (aten.view.default, [groups * BITS]),
-                (aten.slice.Tensor, 0, 0, numel),
-                (aten.view.default, list(value.shape)),
-                (aten.ne.Scalar, 0),
-            ):
+            for target, *args in ((aten.bitwise_right_shift.Tensor, shifts),
+                                  (aten.bitwise_and.Scalar, 1),
+                                  (aten.view.default, [groups * BITS]),
+                                  (aten.slice.Tensor, 0, 0, numel),
+                                  (aten.view.default, list(value.shape)), (aten.ne.Scalar, 0)):
                 unpacked.append(call_with_value(graph, mode, target, unpacked[-1], *args))
         for reader in readers:
             reader.replace_input_with(mask, unpacked[-1])

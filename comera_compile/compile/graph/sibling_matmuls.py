@@ -1,13 +1,4 @@
-"""Thin products that read the same activation, computed as one (compiled graphs).
-
-CoLA's Q, K, V layers and an MLP's gate and up projections each start with ``x @ U`` for
-a narrow ``U``, which MKL runs well below its peak, and whose backwards each add an
-input-gradient product. :func:`fuse_sibling_matmuls` rewrites the dynamo graph (before AOT
-autograd, so backward follows) to ``x @ cat(U_i)`` split back by columns, for factors of at
-most ``MAX_WIDTH`` columns computed from graph inputs alone. Low-rank planned contractions
-that read the same activation and would multiply by ``U`` first are written out and joined
-the same way.
-"""
+"""Thin products that read the same activation, computed as one (compiled graphs)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """Compile a model's repeated blocks, one graph for all blocks of the same shapes.
 
-Compiled as one graph, every block of a stack is traced and lowered again, so a first
-compile grows with the depth; a block compiled on its own serves every block whose
-parameters have its shapes, at about one block's compile. Nothing is fused across blocks,
-so steps run a few percent slower: by default only shapes that ``MIN_SHARED`` blocks or
-more share are compiled (``shared_blocks``), and rarer blocks run eager. A Hugging Face
-decoder is called with ``use_cache=False`` in training (a per-layer cache guard made each
-block a graph of its own), and a block call that carries a key-value cache runs eager.
-
-Blocks are the members of an ``nn.ModuleList`` or ``nn.Sequential`` of at least two
-modules of one class that hold a tensorized layer, outermost first. Where the model has
-none, the caller compiles the whole model.
+A first compile then costs about one block, not the depth; steps run a few percent slower,
+so by default only shapes ``MIN_SHARED`` blocks share are compiled.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Keep the compiled forward only where it pays: a few calls timed both ways.
-
-Whether inductor beats eager depends on the model, the batch and the machine, and no rule
-known before running says which. So :class:`MeasuredCompile` times whole steps compiled
-and eager in turn and keeps the compiled form only where it is clearly faster (``KEEP``);
-training and other calls are raced apart. A first compile costs more than short runs take
-in all, so calls run eager until they have taken ``WAIT_S`` (ski rental), and a run whose
-shapes change soon compiles only if the gain can pay by then. The rules and their
-calibration: docs/compile.md and docs/cpu-performance.md.
-"""
+"""Keep the compiled forward only where it pays: a few calls timed both ways. Whether inductor
+beats eager depends on the model, the batch and the machine, and no rule known before running
+says which (docs/compile.md)."""
 
 from __future__ import annotations
 

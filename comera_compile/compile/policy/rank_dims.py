@@ -1,13 +1,4 @@
-"""Rank dimensions symbolic in compiled graphs: one graph serves every rank a layer takes.
-
-Dynamo specialises a graph to its parameters' shapes, so each rank cut recompiled and
-blocks of different ranks needed a graph each. The planned contraction reads bond sizes
-only through hints, without a guard, so the bonds of ``TTLinear``, ``TTMLinear`` and
-``LowRankLinear`` are marked dynamic. Symbolic kernels run slower, so by default only runs
-that cut ranks use them (``MeasuredCompile.compiled_form``). A bond of size 1 is still
-specialised, bond padding is left out on symbolic bonds, and embedding tables keep static
-ranks (their lookups reshape by rank).
-"""
+"""Rank dimensions symbolic in compiled graphs: one graph serves every rank a layer takes."""
 
 from __future__ import annotations
 

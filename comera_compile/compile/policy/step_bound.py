@@ -1,15 +1,4 @@
-"""The most a compiled training step can gain over eager on CPU, read from one eager step.
-
-Compiled CPU code calls the same kernels as eager for matrix products, attention and
-convolutions, the optimizer runs outside the graph, and transcendental activations are
-bound by their arithmetic (docs/cpu-performance.md, "Step bound"). Compiling removes only
-the rest, so over one profiled eager step
-
-    bound = step time / (time in those kernels + time in the optimizer)
-
-is the speedup a compiled step would reach if the rest took no time.
-:class:`StepProfile` profiles from the forward call to the end of the optimizer step.
-"""
+"""The most a compiled training step can gain over eager on CPU, read from one eager step."""
 
 from __future__ import annotations
 
