@@ -80,6 +80,10 @@ def _compiled(target: nn.Module, config: CompressionConfig, example_inputs: Any)
         report.recompute = recompute
     if recompute == "bonds":
         bond_recompute.recompute_bonds(target)
+        if config.compile_options.host_memory == "auto":
+            from comera_compile.compile.cpu.host_memory import cache_for_training
+
+            cache_for_training(target)
     if config.compile:
         from comera_compile.compile import compile_model  # imports inductor: on demand
 

@@ -26,9 +26,10 @@ RECOMPUTE_MODES = (None, "bonds", "auto")
 ``"bonds"`` (each block keeps its input and its layers' bonds, ``compile.bond_recompute``)
 or ``"auto"`` (bonds where the example batch's activations outweigh the parameter state)."""
 
-HOST_MEMORY_MODES = ("off", "cache", "reuse", "release")
-"""``host_memory`` settings: ``"off"`` (the default) changes nothing; the others are
-process-wide (``comera_compile.compile.cpu.host_memory``)."""
+HOST_MEMORY_MODES = ("auto", "off", "cache", "reuse", "release")
+"""``host_memory`` settings: ``"auto"`` (the default): the block cache, process-wide, once
+``optimize`` has a CPU model recompute its bonds, else nothing; ``"off"`` changes nothing;
+the others are process-wide (``comera_compile.compile.cpu.host_memory``)."""
 
 LOW_MEMORY = 0.999
 """The activation budget ``memory="low"`` stands for: any budget below 1 recomputes wide
@@ -97,9 +98,12 @@ class CompileOptions:
     ``memory``: ``"default"``, ``"low"`` (recompute the wide outputs of thin products in
     backward: less memory for more step time; :data:`LOW_MEMORY`) or AOT autograd's
     fraction of activations kept, in ``(0, 1]``.
-    ``host_memory`` (CPU, runtime only): ``"off"`` leaves the allocators alone; ``"cache"``,
-    ``"reuse"`` and ``"release"`` change them for the whole process
-    (``compile.cpu.host_memory``); the first compile that asks sets the mode.
+    ``host_memory`` (CPU, runtime only): ``"auto"``: ``optimize`` sets ``"cache"`` for the
+    process when it has a CPU model recompute its bonds (a step's transients then outweigh
+    what it keeps, and glibc's heap fragments under them), else as ``"off"``; ``"off"``
+    leaves the allocators alone; ``"cache"``, ``"reuse"`` and ``"release"`` change them for
+    the whole process (``compile.cpu.host_memory``); the first compile that asks sets the
+    mode.
     ``cudagraphs``: run under CUDA Graph trees (None: on CUDA). ``autotune`` /
     ``objective``: override the layers' plan settings (None: keep each layer's).
     ``inductor``: False stops after AOT autograd. ``absorb_attention``: attention through
@@ -116,7 +120,7 @@ class CompileOptions:
     """
 
     memory: str | float = "default"
-    host_memory: str = field(default="off", metadata=RUNTIME)
+    host_memory: str = field(default="auto", metadata=RUNTIME)
     cudagraphs: bool | None = None
     autotune: bool | None = None
     objective: str | None = None
@@ -314,8 +318,8 @@ class CompressionConfig:
                             f"its dict), got {type(self.compile_options).__name__}")
         if not self.compile:
             opts = self.compile_options
-            for name, default in (("memory", "default"), ("host_memory", "off")):
-                if getattr(opts, name) != default:
+            for name, defaults in (("memory", ("default",)), ("host_memory", ("auto", "off"))):
+                if getattr(opts, name) not in defaults:
                     raise ValueError(f"{name}={getattr(opts, name)!r} acts while compiling; "
                                      "pass compile=True")
 

@@ -23,3 +23,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _allocator_left_alone(monkeypatch):
+    """``optimize`` sets the block cache for the whole process when a CPU model recomputes its
+    bonds (``host_memory="auto"``); the tests in this process keep torch's allocator, and
+    ``tests/test_host_memory.py`` checks that default in fresh interpreters."""
+    from comera_compile.compile.cpu import host_memory
+
+    monkeypatch.setattr(host_memory, "cache_for_training", lambda model: False)

@@ -92,7 +92,7 @@ def test_host_memory_needs_compiling_and_a_known_setting():
         cc.optimize(MLP(), cc.CompressionConfig(budget=0.5,
                                                 compile_options=cc.CompileOptions(host_memory="reuse")),
                     compile=False)
-    modes = r"\['off', 'cache', 'reuse', 'release'\]"
+    modes = r"\['auto', 'off', 'cache', 'reuse', 'release'\]"
     with pytest.raises(ValueError, match=r"'host_memory' must be one of " + modes):
         cc.optimize(MLP(), cc.CompressionConfig(budget=0.5,
                                                 compile_options=cc.CompileOptions(host_memory="keep")))

@@ -77,15 +77,33 @@ def test_blocks_are_reused_by_exact_size_and_small_ones_pass_through():
     out = run("""
 assert bc.install()
 a = torch.empty(3 * 2**20, dtype=torch.uint8); del a  # 3 MiB, kept
-b = torch.empty(5 * 2**20, dtype=torch.uint8)         # another size: a new block
+b = torch.empty(3 * 2**20, dtype=torch.uint8)         # the same size: the kept block
+c = torch.empty(5 * 2**20, dtype=torch.uint8)         # another size: a new block
 s = bc.stats()
 small = torch.empty(1000)                               # 4 KB: torch's own allocator
 s2 = bc.stats()
 print(json.dumps({"misses": s.misses, "hits": s.hits, "kept": s.kept, "mapped": s.mapped,
                   "small_counted": s2.misses + s2.hits - s.misses - s.hits}))
 """)
-    assert out == {"misses": 2, "hits": 0, "kept": 3 * 2**20, "mapped": 8 * 2**20,
-                   "small_counted": 0}
+    assert out == {"misses": 2, "hits": 1, "kept": 0, "mapped": 8 * 2**20, "small_counted": 0}
+
+
+def test_a_miss_past_the_peak_in_use_resizes_a_kept_block_instead_of_mapping_more():
+    out = run("""
+assert bc.install()
+a = torch.empty(3 * 2**20, dtype=torch.uint8)
+a[:] = 7                                               # its pages are in
+del a                                                  # kept: the peak in use is 3 MiB
+before = faults()
+b = torch.empty(5 * 2**20, dtype=torch.uint8)         # 5 MiB would map 8: the 3 MiB grows
+b[:] = 1
+s = bc.stats()
+print(json.dumps({"misses": s.misses, "recycled": s.recycled, "kept": s.kept,
+                  "mapped": s.mapped, "faults": faults() - before}))
+""")
+    assert out["misses"] == 2 and out["recycled"] == 1
+    assert out["kept"] == 0 and out["mapped"] == 5 * 2**20  # not 8: no size kept idle
+    assert out["faults"] < 0.8 * 5 * 256  # the 3 MiB it had stay in (1,280 pages anew)
 
 
 def test_sizes_no_longer_asked_for_are_unmapped_after_max_idle_requests():
@@ -116,12 +134,12 @@ old = torch.empty(8 * 2**20, dtype=torch.uint8); del old  # the old shape's bloc
 for _ in range(200):  # the new shape: one miss, then every request hits
     torch.empty(2 * 2**20, dtype=torch.uint8)
 s = bc.stats()
-print(json.dumps({"kept": s.kept, "misses": s.misses, "hits": s.hits,
-                  "unmapped": s.unmapped}))
+print(json.dumps({"kept": s.kept, "misses": s.misses, "hits": s.hits, "mapped": s.mapped,
+                  "gone": s.unmapped + s.recycled}))
 """)
     assert out["misses"] == 2 and out["hits"] == 199
-    assert out["unmapped"] == 1  # the 8 MiB block went back to the OS
-    assert out["kept"] == 2 * 2**20
+    assert out["gone"] == 1  # the 8 MiB block went back to the OS or became the 2 MiB one
+    assert out["kept"] == out["mapped"] == 2 * 2**20
 
 
 def test_a_fork_while_another_thread_allocates_leaves_the_child_a_working_cache():

@@ -57,7 +57,7 @@ def test_configs_round_trip_through_json(budget):
     text = json.dumps(config.to_dict())
     # host_memory is process-wide, a runtime setting: the saved config leaves it out
     saved = dataclasses.replace(config, compile_options=dataclasses.replace(
-        config.compile_options, host_memory="off"))
+        config.compile_options, host_memory="auto"))
     assert "host_memory" not in config.to_dict()["compile_options"]
     assert cc.CompressionConfig.from_dict(json.loads(text)) == saved
     options = saved.compile_options
@@ -77,7 +77,7 @@ def test_numpy_values_and_tuples_are_saved_as_json():
 
 
 def test_compile_options_become_the_backend_options_dict():
-    options = cc.CompileOptions(memory="low", host_memory="off", absorb_attention=False,
+    options = cc.CompileOptions(memory="low", host_memory="auto", absorb_attention=False,
                                 inductor_config={"max_autotune": False})
     assert options.to_backend_options() == {"memory": "low", "absorb_attention": False,
                                             "max_autotune": False}

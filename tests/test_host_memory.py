@@ -101,7 +101,7 @@ def test_release_free_heap_hands_back_what_reuse_keeps():
 
 
 def test_host_memory_option_is_checked_at_the_door():
-    assert CompileOptions.from_backend_options({}).host_memory == "off"
+    assert CompileOptions.from_backend_options({}).host_memory == "auto"
     assert CompileOptions.from_backend_options({"host_memory": None}).host_memory == "off"
     assert CompileOptions.from_backend_options(
         {"host_memory": "release"}).host_memory == "release"
@@ -184,6 +184,51 @@ def test_default_compile_leaves_the_allocator_and_malloc_settings_alone():
     assert not out["cache_loaded"] and not out["cache_active"] and out["built"] == 0
     assert out["held"] > 60  # the 64 MiB block was touched
     assert out["after_free"] < 16  # and handed back when freed: glibc's own behaviour
+
+
+AUTO = """
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import comera_compile as cc
+from comera_compile.compile.cpu import block_cache
+from comera_compile.compile.cpu.host_memory import host_memory_mode
+
+shape, options, path = [int(n) for n in sys.argv[1].split('x')], json.loads(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, use_cache=False))
+if path.startswith("load:"):
+    model = cc.load(path[5:])
+else:
+    config = cc.CompressionConfig(budget=0.25, compile=False, compile_options=options)
+    model = cc.optimize(model, config, example_inputs=(torch.zeros(*shape, dtype=torch.long),))
+    if path:
+        cc.save(model, path)
+print(json.dumps([cc.passes.report_of(model).recompute, host_memory_mode(), block_cache.active()]))
+"""
+
+
+@glibc_only
+def test_optimize_sets_the_block_cache_where_a_cpu_model_recomputes_its_bonds(tmp_path):
+    """The default ``host_memory="auto"``: bond recomputation on the CPU brings the block cache
+    for the process (a saved model loads back with it); no recomputation, or ``"off"``,
+    leaves torch's allocator alone."""
+    from comera_compile.compile.cpu import block_cache
+
+    if block_cache._library() is None:
+        pytest.skip("the block cache cannot be built here")
+
+    def run(shape, options=None, path=""):
+        done = subprocess.run([sys.executable, "-c", AUTO, shape, json.dumps(options or {}),
+                               str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run("16x128", path=tmp_path / "m") == ["bonds", "cache", True]
+    assert run("1x1", path=f"load:{tmp_path / 'm'}") == ["bonds", "cache", True]
+    assert run("1x4") == [None, None, False]  # a step that keeps little: nothing to recompute
+    assert run("16x128", {"host_memory": "off"}) == ["bonds", None, False]
 
 
 OPT_IN = """

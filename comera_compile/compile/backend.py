@@ -115,7 +115,7 @@ def _set_host_memory(opts: CompileOptions) -> None:
     mode is process-wide: the first compile that asks for one sets it; a later compile
     asking for another warns once and leaves it. ``"cache"`` falls back, where the block
     cache cannot be built, to reuse at the default budget and release below it."""
-    asked = opts.host_memory
+    asked = "off" if opts.host_memory == "auto" else opts.host_memory  # "auto" is optimize's
     current = host_memory_mode()
     if current is None:  # nothing set in this process (or restore_host_memory since)
         _host_memory_request["mode"] = None

@@ -136,5 +136,8 @@ def _recompute_as_saved(model: nn.Module) -> None:
     if getattr(report, "recompute", None) == "bonds" or (
             config is not None and config.recompute == "bonds"):
         from comera_compile.compile.bond_recompute import recompute_bonds
+        from comera_compile.compile.cpu.host_memory import cache_for_training
 
         recompute_bonds(model)
+        if config is None or config.compile_options.host_memory == "auto":
+            cache_for_training(model)

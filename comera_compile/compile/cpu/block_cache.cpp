@@ -16,6 +16,7 @@
 namespace {
 
 constexpr size_t kPage = 4096;
+constexpr size_t kSlack = 8;  // the cache maps at most 1 + 1/kSlack x its peak in use, when it can
 
 struct Block {
   void* data;
@@ -30,6 +31,7 @@ struct Stats {
   size_t misses = 0;
   size_t unmapped = 0;  // kept blocks handed back: the cache was full, or they sat idle
   size_t peak_in_use = 0;  // the most bytes of its blocks in use at once
+  size_t recycled = 0;  // misses served by resizing a kept block of another size
 };
 
 // Every pointer it hands out is its own context (as torch's default CPU allocator does),
@@ -59,6 +61,9 @@ class BlockCache final : public c10::Allocator {
       }
       stats_.misses++;
       drop_idle();  // a new size: the step changed, and sizes it no longer asks for go
+      if (Block* block = recycle(size)) {
+        return hand_out(block);
+      }
     }
     void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (data == MAP_FAILED) {
@@ -175,6 +180,49 @@ class BlockCache final : public c10::Allocator {
     }
   }
 
+  // A miss while the cache holds more than kSlack past the most ever in use: the oldest
+  // kept blocks go, and the last one is resized (mremap keeps the pages it already has)
+  // to serve the request. Kept blocks of the wrong size are what fragmentation is; this
+  // keeps what the cache maps near what a step really uses at once.
+  Block* recycle(size_t size) {  // with mutex_ held; nullptr: map a new block
+    size_t cap = stats_.peak_in_use + stats_.peak_in_use / kSlack;
+    while (stats_.kept > 0 && stats_.mapped + size > cap) {
+      Block* oldest = take_oldest();
+      if (stats_.kept > 0 && stats_.mapped - oldest->size + size > cap) {
+        unmap(oldest);
+        stats_.unmapped++;
+        continue;
+      }
+      void* data = mremap(oldest->data, oldest->size, size, MREMAP_MAYMOVE);
+      if (data == MAP_FAILED) {
+        unmap(oldest);
+        return nullptr;
+      }
+      stats_.mapped = stats_.mapped - oldest->size + size;
+      oldest->data = data;
+      oldest->size = size;
+      stats_.recycled++;
+      return oldest;
+    }
+    return nullptr;
+  }
+
+  Block* take_oldest() {  // with mutex_ held and a block kept
+    auto oldest = free_.end();
+    size_t at = 0;
+    for (auto entry = free_.begin(); entry != free_.end(); ++entry) {
+      if (!entry->second.empty() && (oldest == free_.end() || entry->second.front()->freed_at < at)) {
+        oldest = entry;
+        at = entry->second.front()->freed_at;
+      }
+    }
+    Block* block = oldest->second.front();
+    oldest->second.erase(oldest->second.begin());
+    if (oldest->second.empty()) free_.erase(oldest);
+    stats_.kept -= block->size;
+    return block;
+  }
+
   void unmap(Block* block) {  // with mutex_ held
     munmap(block->data, block->size);
     stats_.mapped -= block->size;
@@ -241,7 +289,7 @@ void comera_block_cache_trim() {
   if (BlockCache::instance != nullptr) BlockCache::instance->trim();
 }
 
-// mapped, kept, hits, misses, unmapped, peak_in_use
+// mapped, kept, hits, misses, unmapped, peak_in_use, recycled
 void comera_block_cache_stats(size_t* out) {
   Stats s = BlockCache::instance != nullptr ? BlockCache::instance->stats() : Stats{};
   out[0] = s.mapped;
@@ -250,6 +298,7 @@ void comera_block_cache_stats(size_t* out) {
   out[3] = s.misses;
   out[4] = s.unmapped;
   out[5] = s.peak_in_use;
+  out[6] = s.recycled;
 }
 
 }  // extern "C"

@@ -163,7 +163,8 @@ class CacheStats:
     """``mapped``: bytes the cache holds (in use or kept); ``kept``: of them, free for reuse;
     ``hits`` / ``misses``: requests served from kept blocks / by a new mapping;
     ``unmapped``: kept blocks handed back (``max_kept`` reached, or idle);
-    ``peak_in_use``: the most bytes of its blocks in use at once."""
+    ``peak_in_use``: the most bytes of its blocks in use at once; ``recycled``: misses
+    served by resizing a kept block of another size."""
 
     mapped: int
     kept: int
@@ -171,6 +172,7 @@ class CacheStats:
     misses: int
     unmapped: int
     peak_in_use: int
+    recycled: int
 
 
 def install(min_bytes: int = MIN_BYTES, max_kept: int = MAX_KEPT,
@@ -208,7 +210,7 @@ def trim() -> None:
 
 def stats() -> CacheStats:
     """The cache's counters (all zero before it is installed)."""
-    out = (ctypes.c_size_t * 6)()
+    out = (ctypes.c_size_t * 7)()
     lib = _loaded()
     if lib:
         lib.comera_block_cache_stats(out)

@@ -1,4 +1,4 @@
-"""Opt-in, process-wide: keep freed host memory for reuse, or hand it back to the OS at once.
+"""Process-wide: keep freed host memory for reuse, or hand it back to the OS at once.
 
 ``"cache"``: large blocks kept by size (``compile.cpu.block_cache``); ``"reuse"``: glibc's
 mmap and trim thresholds raised so freed blocks stay in the heap; ``"release"``: glibc's
@@ -12,6 +12,9 @@ import ctypes.util
 import functools
 import logging
 import sys
+
+import torch
+from torch import nn
 
 from comera_compile.compile.cpu import block_cache
 
@@ -84,6 +87,20 @@ def set_host_memory(mode: str) -> bool:
         log.info(f"comera: freed host memory {what} (host_memory={mode!r})")
         _state["mode"] = mode
     return ok
+
+
+def cache_for_training(model: nn.Module) -> bool:
+    """``host_memory="auto"`` for a model that recomputes its bonds: on the CPU, set the
+    block cache for the process unless a mode is set already. Such a step keeps little and
+    makes the same full-width transients block after block; glibc's heap fragments under
+    them (kept bonds pin each block's transients above the last block's), and the block
+    cache reuses them by size instead. True when the cache is in effect."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    if device.type != "cpu":
+        return False
+    if _state["mode"] is None and not set_host_memory("cache"):
+        return False
+    return _state["mode"] == "cache"
 
 
 def host_memory_mode() -> str | None:
