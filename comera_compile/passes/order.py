@@ -25,7 +25,7 @@ from comera_compile.passes.specs import (
 from comera_compile.planner import evaluate_path, get_plan, tt_linear_network
 
 ORDERS = (2, 3, 4)
-EMBEDDING_ORDERS = (3, 4, 5, 6)
+EMBEDDING_ORDERS = (2, 3, 4, 5, 6)
 MAX_FLOOR = 0.005  # another table layout must hold under this share of the table at rank 1
 SIMILAR_PARAMS = 0.8  # an order must reach this share of the default order's parameters
 ORDER_KEYS = ("order", "in_modes", "out_modes", "ranks")  # layer_config keys that fix it

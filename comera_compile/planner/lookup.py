@@ -8,6 +8,7 @@ in buckets of equal mode index, so each slice is read once per batch).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .host import host_reads_allowed
+from .network import next_power_of_two
 
 if TYPE_CHECKING:
     from .embedding import EmbeddingPlan
@@ -75,21 +77,76 @@ def chain_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
     digits.reverse()
     rows = ids.shape[0]
     acc = cores[0][0].index_select(0, digits[0])  # (b, n_1, r_1)
-    bucketed = host_reads_allowed()  # the bucketed contraction reads a depth
+    eager = host_reads_allowed()  # the bucketed contraction reads a depth
     for k in range(1, len(row_modes)):
         if gates is not None:  # scale the bond between cores k-1 and k
             acc = acc * gates[k - 1].to(acc.dtype)
-        step = _contract_bucketed if bucketed else _contract_gathered
+        step = _faster_contraction(acc, cores[k], digits[k]) if eager else _contract_gathered
         acc = step(acc, cores[k], digits[k])
     return acc.reshape(rows, math.prod(col_modes))
 
 
+CLEAR_WIN = 4.0
+"""Elements one contraction moves past this many times the other's: chosen without a trial
+(a trial of the larger one would set a step's peak memory)."""
+_measured: dict[tuple, str] = {}  # (ids bucketed, acc width, core shape, dtype, device) -> name
+
+
+def _faster_contraction(acc: Tensor, core: Tensor, digit: Tensor):
+    """Bucketed or gathered, whichever ran a forward and backward of this shape faster when
+    first timed here (per power-of-two count of ids). Neither wins everywhere: bucketing
+    pays where many ids share each of a core's slices and the slices are large; gathering,
+    where ids are few against the core's mode or its slices small."""
+    rows, width, _ = acc.shape
+    key = (next_power_of_two(rows), width, *core.shape, acc.dtype, acc.device.type)
+    name = _measured.get(key)
+    if name is None:
+        r, m, n, r_next = core.shape
+        moved = {"gathered": rows * r * n * r_next,  # a slice per id, and its gradient
+                 "bucketed": r * m * n * r_next + 2 * rows * width * (r + n * r_next)}
+        name = min(moved, key=moved.get)
+        clear = max(moved.values()) > CLEAR_WIN * min(moved.values())
+        trial = not clear and not _intercepted()  # no trial the caller's hooks would see
+        if trial:
+            name = _time_contractions(acc.detach(), core.detach(), digit)
+        if clear or trial:  # under hooks, the estimate serves this call only
+            _measured[key] = name
+    return _contract_bucketed if name == "bucketed" else _contract_gathered
+
+
+def _time_contractions(acc: Tensor, core: Tensor, digit: Tensor, repeats: int = 3) -> str:
+    """Time both contractions on these ids, forward and backward, the best of ``repeats``
+    each after a first call."""
+    best: dict[str, float] = {}
+    a, c = acc.clone().requires_grad_(), core.clone().requires_grad_()
+    with torch.enable_grad():
+        for name, step in (("bucketed", _contract_bucketed), ("gathered", _contract_gathered)):
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                out = step(a, c, digit)
+                out.backward(torch.ones_like(out))  # a dense gradient, as a loss's is
+                times.append(time.perf_counter() - start)
+            best[name] = min(times[1:])
+    return min(best, key=best.get)
+
+
+def _intercepted() -> bool:
+    """Whether saved-tensor hooks or a dispatch mode would see tensors made here."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooked = top_hooks is None or top_hooks(False) is not None
+    return hooked or _get_current_dispatch_mode() is not None
+
+
 def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
     """``acc (b, w, r)`` times each row's slice ``core[:, digit]`` -> ``(b, w * n, r')``."""
-    rows = acc.shape[0]
+    rows, width, _ = acc.shape
+    r, _, n, r_next = core.shape
     g = core.index_select(1, digit).transpose(0, 1)  # (b, r, n, r')
-    out = torch.bmm(acc, g.reshape(rows, core.shape[0], -1))
-    return out.reshape(rows, -1, core.shape[3])
+    out = torch.bmm(acc, g.reshape(rows, r, n * r_next))  # sizes spelled out: rows may be 0
+    return out.reshape(rows, width * n, r_next)
 
 
 def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
