@@ -76,7 +76,8 @@ def chain_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
         rest = torch.div(rest, size, rounding_mode="floor")
     digits.reverse()
     rows = ids.shape[0]
-    acc = cores[0][0].index_select(0, digits[0])  # (b, n_1, r_1)
+    acc = cores[0].squeeze(0).index_select(0, digits[0])  # (b, n_1, r_1); a view, not a select:
+    # select's backward would build the whole core's gradient twice
     eager = host_reads_allowed()  # the bucketed contraction reads a depth
     for k in range(1, len(row_modes)):
         if gates is not None:  # scale the bond between cores k-1 and k
