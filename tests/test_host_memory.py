@@ -193,7 +193,8 @@ import comera_compile as cc
 from comera_compile.compile.cpu import block_cache
 from comera_compile.compile.cpu.host_memory import host_memory_mode
 
-shape, options, path = [int(n) for n in sys.argv[1].split('x')], json.loads(sys.argv[2]), sys.argv[3]
+shape = [int(n) for n in sys.argv[1].split('x')]
+options, path = json.loads(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -202,7 +203,8 @@ if path.startswith("load:"):
     model = cc.load(path[5:])
 else:
     config = cc.CompressionConfig(budget=0.25, compile=False, compile_options=options)
-    model = cc.optimize(model, config, example_inputs=(torch.zeros(*shape, dtype=torch.long),))
+    example = (torch.zeros(*shape, dtype=torch.long),)
+    model = cc.optimize(model, config, example_inputs=example)
     if path:
         cc.save(model, path)
 print(json.dumps([cc.passes.report_of(model).recompute, host_memory_mode(), block_cache.active()]))

@@ -36,11 +36,13 @@ def test_a_clear_win_is_taken_without_a_trial_and_a_close_call_is_timed(monkeypa
     monkeypatch.setattr(lookup, "_time_contractions",
                         lambda acc, core, digit: timed.append(core.shape) or "gathered")
     few = torch.randn(8, 1, 16)  # 8 ids against a core of 4,000 slices: gather them
-    assert lookup._faster_contraction(few, torch.randn(16, 4000, 16, 1),
-                                      torch.zeros(8, dtype=torch.long)) is lookup._contract_gathered
+    chosen = lookup._faster_contraction(few, torch.randn(16, 4000, 16, 1),
+                                        torch.zeros(8, dtype=torch.long))
+    assert chosen is lookup._contract_gathered
     many = torch.randn(4096, 1, 50)  # 4,096 ids on 200 large slices: bucket them
-    assert lookup._faster_contraction(many, torch.randn(50, 200, 1, 50),
-                                      torch.zeros(4096, dtype=torch.long)) is lookup._contract_bucketed
+    chosen = lookup._faster_contraction(many, torch.randn(50, 200, 1, 50),
+                                        torch.zeros(4096, dtype=torch.long))
+    assert chosen is lookup._contract_bucketed
     assert timed == []
     close = torch.randn(512, 1, 16)
     core = torch.randn(16, 600, 16, 1)
