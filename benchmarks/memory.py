@@ -193,23 +193,27 @@ def run_all(args) -> str:
     for shape in args.shapes.split(","):
         hidden, ffn, layers, heads, vocab, seq, batches = SHAPES[shape]
         for batch in batches:
-            results = {}
-            for row in rows_for(shape, args.rows.split(",")):
-                command = [sys.executable, __file__, "--row", row, "--shape", shape,
-                           "--batch", str(batch), "--budget", str(args.budget),
-                           "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           "--threads", str(args.threads)]
-                done = subprocess.run(command, capture_output=True, text=True)
-                if done.returncode:
-                    print(done.stderr[-3000:], file=sys.stderr)
-                    results[row] = None
-                    continue
-                results[row] = json.loads(done.stdout.strip().splitlines()[-1])
-                print(shape, batch, json.dumps(results[row]), flush=True)
+            runs: dict[str, list[dict]] = {}
+            rows = rows_for(shape, args.rows.split(","))
+            for _ in range(args.rounds):  # rounds interleave the rows: drift hits them alike
+                for row in rows:
+                    command = [sys.executable, __file__, "--row", row, "--shape", shape,
+                               "--batch", str(batch), "--budget", str(args.budget),
+                               "--steps", str(args.steps), "--warmup", str(args.warmup),
+                               "--threads", str(args.threads)]
+                    done = subprocess.run(command, capture_output=True, text=True)
+                    if done.returncode:
+                        print(done.stderr[-3000:], file=sys.stderr)
+                        continue
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                    runs.setdefault(row, []).append(result)
+                    print(shape, batch, json.dumps(runs[row][-1]), flush=True)
+            results = {row: _median_run(runs[row]) if row in runs else None for row in rows}
             sections.append(section(shape, batch, results))
     body = (f"LLaMA shapes (`transformers.LlamaForCausalLM`, random tokens, Hugging Face's loss, "
             f"AdamW), compressed rows at budget {args.budget}; {args.warmup} warm-up and "
-            f"{args.steps} timed steps per row, one process per row, "
+            f"{args.steps} timed steps per row, one process per row and round, "
+            f"{args.rounds} rounds through the rows (each number the median over them), "
             f"{args.threads} threads. Memory: peak RSS over the steps minus RSS before the "
             "model was built; kept: bytes one step saves through autograd's saved-tensor hooks "
             "(what a checkpoint holds itself, its blocks' inputs and cached bonds, is not in "
@@ -219,6 +223,14 @@ def run_all(args) -> str:
     print(body)
     print(f"wrote {path}")
     return body
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """One row's rounds as one: the median of their memory and of their step times."""
+    out = dict(runs[0])
+    for key in ("train_mb", "kept_mb", "step_s"):
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
 
 
 def section(shape: str, batch: int, results: dict) -> str:
@@ -244,7 +256,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="60m,small")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times through every row, interleaved (medians are reported)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)
