@@ -11,7 +11,9 @@ backward (``torch.autograd.graph.saved_tensors_hooks``, each storage once): torc
 count of the activation memory. The **step** is the median time of the timed steps (forward,
 loss, backward, AdamW), after warm-up. A checkpoint holds its blocks' inputs and the outputs
 its policy keeps itself, not through those hooks: **kept** leaves them out of the
-checkpointed rows.
+checkpointed rows. The rows run in interleaved rounds (``--rounds``, 2 by default) and each
+number is the median over the rounds: a 2-core machine's speed can drift by tens of percent
+between one row's process and the next.
 
 Rows: the dense model; the dense model with Hugging Face gradient checkpointing
 (``gradient_checkpointing_enable()``); the default (``optimize(model, budget=...,
