@@ -230,7 +230,54 @@ def test_optimize_gives_a_large_table_the_cheaper_order_under_a_budget():
                                                      layer_config={"table": {"order": 6}}),
                          example_inputs=(ids,), compile=False, inplace=True)
     assert len(forced.table.row_modes) == 6
-    with torch.device("meta"):  # a table with dense gradients keeps the default layout
+    with torch.device("meta"):  # too narrow a table to factorize: the default layout
         model = _Table(1_000_000, sparse=False)
     plain = cc.optimize(model, "100x", example_inputs=(ids,), compile=False, inplace=True)
     assert plain.table.row_modes == (10,) * 6
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, vocab: int = 4000, dim: int = 256) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mix(self.tokens(ids))))
+
+
+def test_a_token_table_trained_from_scratch_is_factorized_and_a_pretrained_one_is_not():
+    """init='random': a (non-recommender) table gets the low-rank layout A B, whose lookup is
+    one matmul of the looked-up rows; init='dense' keeps the default TT layout (it sets the
+    truncation error of the pretrained weights)."""
+    from comera_compile.passes.order import FACTORIZED_TABLE
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4000, (8, 32))
+    model = cc.optimize(_TinyLM(), budget=0.25, example_inputs=(ids,), compile=False)
+    table = model.tokens
+    assert table.row_modes == (4000, 1) and table.col_modes == (1, 256)
+    assert not table.lookup_outgrows_rows  # nothing for a lean step to recompute
+    records = {r["name"]: r for r in cc.summary(model).records}
+    assert records["tokens"]["order_reason"] == FACTORIZED_TABLE
+    a, b = (core.detach() for core in table.cores)  # (1, 4000, 1, r) and (r, 1, 256, 1)
+    torch.testing.assert_close(table(ids[0]), (a[0, ids[0], 0] * _gate(table)) @ b[:, 0, :, 0])
+    losses = []
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(30):  # a next-token task: the factorized table trains
+        loss = nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    pretrained = cc.optimize(_TinyLM(), budget=0.25, init="dense", compile=False)
+    assert len(pretrained.tokens.row_modes) > 2 and pretrained.tokens.lookup_outgrows_rows
+
+
+def _gate(table) -> torch.Tensor:
+    """The table's bond gate as its lookup applies it (hard threshold)."""
+    from comera_compile.nn.gates import hard_threshold
+
+    return hard_threshold(table.gates[0], table.threshold).detach()

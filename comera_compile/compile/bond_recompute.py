@@ -94,7 +94,7 @@ def recompute_bonds(model: nn.Module) -> int:
         model.register_forward_pre_hook(_no_training_cache, with_kwargs=True)
     if blocks:
         for table in model.modules():
-            if isinstance(table, TTEmbedding):
+            if isinstance(table, TTEmbedding) and table.lookup_outgrows_rows:
                 table.recompute_lookup = True
     for block in blocks:
         if not isinstance(block.__dict__.get("forward"), RecomputedForward):

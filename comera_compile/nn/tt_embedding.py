@@ -97,6 +97,17 @@ class TTEmbedding(TensorizedLayer):
         _watch_sparse_adam()
 
     @property
+    def lookup_outgrows_rows(self) -> bool:
+        """Whether a lookup's partial products (each id's running product, rank-wide at every
+        inner bond) hold more per id than its row: only then does a memory-lean step
+        recompute them (``recompute_lookup``). A low-rank table's hold ``r <= dim``."""
+        inner, width = 0, 1
+        for n, r in zip(self.col_modes[:-1], self.ranks[1:-1]):
+            width *= n
+            inner += width * r
+        return inner > self.embedding_dim
+
+    @property
     def dense_parameters(self) -> int:
         return self.num_embeddings * self.embedding_dim
 

@@ -199,9 +199,11 @@ def eligible_options(candidates: list[Candidate], shapes: dict[str, LayerShape] 
                      called: set[str] | None, include: Names, exclude: Names,
                      filter_fn: Callable[[nn.Module, str], bool] | None,
                      layer_config: dict[str, dict] | None, fmt: str, max_rank: int | None,
-                     named: bool = False) -> tuple[list[Option], dict[str, str]]:
+                     named: bool = False,
+                     from_scratch: bool = False) -> tuple[list[Option], dict[str, str]]:
     """The layers that may be tensorized, and why each other layer stays dense. ``named``:
-    ``fmt`` is the user's own choice, not the default (see ``_configured``)."""
+    ``fmt`` is the user's own choice, not the default (see ``_configured``);
+    ``from_scratch``: the layers start from random cores (``passes.order.pick_order``)."""
     layer_config = check_layer_config(layer_config)
     options, skipped = [], {}
     for cand in candidates:
@@ -234,7 +236,8 @@ def eligible_options(candidates: list[Candidate], shapes: dict[str, LayerShape] 
         option.shape = (shapes or {}).get(cand.name)
         option.cap = _rank_cap(option, max_rank)
         rows = option.shape.rows if option.shape is not None else None
-        ordered, option.why = pick_order(cand, option.fmt, option.cap, rows, cfg)
+        ordered, option.why = pick_order(cand, option.fmt, option.cap, rows, cfg,
+                                           from_scratch)
         if ordered is not None:  # same parameters, cheapest training step: its own rank cap
             option.in_modes, option.out_modes = ordered.in_modes, ordered.out_modes
             option.cap = max(ordered.ranks)

@@ -12,6 +12,7 @@ from comera_compile.formats import (
     TT_EMBEDDING,
     chain_layout,
     choose_order,
+    lowrank_table_modes,
     tt_linear_modes,
 )
 from comera_compile.passes.candidates import Candidate
@@ -174,22 +175,49 @@ def choose_embedding_order(cand: Candidate, cap: int,
     return OrderChoice(best, tuple(options), 1, reason)
 
 
+FACTORIZED_TABLE = ("low rank (A B): a table trained from scratch that is not a recommender's "
+                    "is factorized as ALBERT factorizes its word embeddings; a lookup is one "
+                    "narrow gather and one matmul")
+
+
+def factorized_table(cand: Candidate) -> LayerSpec | None:
+    """The low-rank layout of a table, ``A (rows, r) @ B (r, dim)``, at its full rank, or
+    None for a table too narrow for it (over ``MAX_FLOOR`` of the table at rank 1, as for
+    the other layouts). A language model's token table is looked up thousands of times a
+    step; a TT chain of three or more cores builds each row from rank-wide slices (or
+    buckets them), which at a 60M model's batch costs several times the dense table's
+    lookup, where this layout costs one matmul of the looked-up rows, and its backward one
+    more."""
+    ins, outs = lowrank_table_modes(cand.in_features, cand.out_features)
+    spec = make_spec(cand, TT_EMBEDDING, 1, ins, outs)
+    if spec.params > MAX_FLOOR * cand.dense_params:
+        return None
+    return make_spec(cand, TT_EMBEDDING, max_useful_rank(spec), ins, outs)
+
+
 def _layout(option: OrderOption) -> str:
     return f"order {option.order} {list(option.spec.col_modes)}"
 
 
 def pick_order(cand: Candidate, fmt: str, cap: int, rows: int | None,
-               config: dict[str, Any] | None) -> tuple[LayerSpec | None, str]:
-    """The spec (modes and rank cap) a layer should take, or None to keep its own, and why."""
+               config: dict[str, Any] | None,
+               from_scratch: bool = False) -> tuple[LayerSpec | None, str]:
+    """The spec (modes and rank cap) a layer should take, or None to keep its own, and why.
+    A table's layout is chosen by cost where it is a recommender's (``sparse=True``) or
+    trains ``from_scratch``; a pretrained table's keeps the default layout, which sets how
+    much of its weights a truncation keeps."""
     keys = EMBEDDING_ORDER_KEYS if cand.is_embedding else ORDER_KEYS
     if config and any(key in config for key in keys):
         given = [key for key in keys if key in config]
         return None, f"set in layer_config ({', '.join(given)})"
     if cand.is_embedding:
-        if not getattr(cand.module, "sparse", False):
-            return None, ""
-        choice = choose_embedding_order(cand, cap)
-        return choice.chosen.spec, f"order {choice.chosen.order}: {choice.reason}"
+        if getattr(cand.module, "sparse", False):
+            choice = choose_embedding_order(cand, cap)
+            return choice.chosen.spec, f"order {choice.chosen.order}: {choice.reason}"
+        factorized = factorized_table(cand) if from_scratch else None
+        if factorized is not None:
+            return factorized, FACTORIZED_TABLE
+        return None, ""
     if fmt in ONE_MODE:
         return None, f"one mode per side: format={fmt!r} (W = U V)"
     if fmt in BLOCK_FORMATS:

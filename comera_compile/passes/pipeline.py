@@ -118,7 +118,8 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
         found, why = eligible_options(candidates, shapes.layers if shapes else None, called,
                                       include, exclude, filter_fn, layer_config,
                                       ALLOCATED_AS if fmt == AUTO else fmt, max_rank,
-                                      named=config.format is not None)
+                                      named=config.format is not None,
+                                      from_scratch=init == "random")
         if init == "random" and include is None and filter_fn is None:  # else the user chose
             hold_token_ends(found, target)
         return found, why
