@@ -11,8 +11,9 @@ backward (``torch.autograd.graph.saved_tensors_hooks``, each storage once): torc
 count of the activation memory. The **step** is the median time of the timed steps (forward,
 loss, backward, AdamW), after warm-up. A checkpoint holds its blocks' inputs and the outputs
 its policy keeps itself, not through those hooks: **kept** leaves them out of the
-checkpointed rows. The rows run in interleaved rounds (``--rounds``, 2 by default) and each
-number is the median over the rounds: a 2-core machine's speed can drift by tens of percent
+checkpointed rows. The rows run in interleaved rounds (``--rounds``, 3 by default) and each
+number is the median over the rounds (of two, their mean, which one slow round moves): a 2-core
+machine's speed can drift by tens of percent
 between one row's process and the next.
 
 Rows: the dense model; the dense model with Hugging Face gradient checkpointing
@@ -259,7 +260,7 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=int, default=3,
                         help="times through every row, interleaved (medians are reported)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
