@@ -183,11 +183,10 @@ FACTORIZED_TABLE = ("low rank (A B): a table trained from scratch that is not a 
 def factorized_table(cand: Candidate) -> LayerSpec | None:
     """The low-rank layout of a table, ``A (rows, r) @ B (r, dim)``, at its full rank, or
     None for a table too narrow for it (over ``MAX_FLOOR`` of the table at rank 1, as for
-    the other layouts). A language model's token table is looked up thousands of times a
-    step; a TT chain of three or more cores builds each row from rank-wide slices (or
-    buckets them), which at a 60M model's batch costs several times the dense table's
-    lookup, where this layout costs one matmul of the looked-up rows, and its backward one
-    more."""
+    the other layouts). A language model's token table is looked up for every token of a
+    batch; a TT chain of three or more cores builds each row from rank-wide slices (or
+    buckets them), where this layout costs one matmul of the looked-up rows, and its
+    backward one more (``benchmarks/token_table.py`` times both)."""
     ins, outs = lowrank_table_modes(cand.in_features, cand.out_features)
     spec = make_spec(cand, TT_EMBEDDING, 1, ins, outs)
     if spec.params > MAX_FLOOR * cand.dense_params:
@@ -214,8 +213,7 @@ def pick_order(cand: Candidate, fmt: str, cap: int, rows: int | None,
         if getattr(cand.module, "sparse", False):
             choice = choose_embedding_order(cand, cap)
             return choice.chosen.spec, f"order {choice.chosen.order}: {choice.reason}"
-        factorized = factorized_table(cand) if from_scratch else None
-        if factorized is not None:
+        if from_scratch and (factorized := factorized_table(cand)) is not None:
             return factorized, FACTORIZED_TABLE
         return None, ""
     if fmt in ONE_MODE:
