@@ -228,3 +228,45 @@ def test_compiled_models_are_unwrapped_on_both_sides(tmp_path):
     target = torch.compile(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
     loaded = cc.load(tmp_path, model=target)
     assert loaded is target and isinstance(target._orig_mod[0], TensorizedLayer)
+
+
+def test_tables_saved_in_chain_order_load_back_with_the_same_outputs(tmp_path):
+    """A checkpoint from before TT tables stored their cores slices first (chain-order
+    cores, layouts without "cores") loads, by ``cc.load`` and ``load_state_dict``."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from comera_compile.io import format as io_format
+    from comera_compile.nn.base import decode_layout, encode_layout
+
+    build, inputs, loss_fn = _dlrm()
+    model = _train(cc.optimize(build(), 0.3, compile=False), inputs, loss_fn)
+    expected = _call(model, inputs)
+    cc.save(model, tmp_path)
+    manifest = json.loads((tmp_path / io_format.MANIFEST).read_text())
+    path = tmp_path / manifest["weights"]
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    state, turned = load_file(path), 0
+    for key in [k for k in state if k.endswith("._extra_state")]:
+        layout = decode_layout(state[key])
+        if layout.get("format") != "tt_embedding":
+            continue
+        assert layout.pop("cores") == "slices_first"
+        manifest["layouts"][key[: -len("._extra_state")]].pop("cores")
+        state[key] = encode_layout(layout)
+        for k in range(len(layout["ranks"]) - 1):
+            core = state[f"{key[: -len('_extra_state')]}cores.{k}"]
+            state[f"{key[: -len('_extra_state')]}cores.{k}"] = core.transpose(0, 1).contiguous()
+            turned += min(core.shape[:2]) > 1  # a transpose that moves values
+    assert turned >= 2
+    save_file(state, path, metadata=metadata)
+    manifest.update(weights_bytes=os.path.getsize(path), sha256=io_format._sha256(path),
+                    header_sha256=io_format._header_sha256(path))
+    (tmp_path / io_format.MANIFEST).write_text(json.dumps(manifest))
+    assert torch.equal(_call(cc.load(tmp_path, model=build()).eval(), inputs), expected)
+    fresh = cc.optimize(build(), 0.3, compile=False)
+    fresh.load_state_dict(state)
+    assert torch.equal(_call(fresh.eval(), inputs), expected)

@@ -10,8 +10,8 @@ from comera_compile.planner import lookup
 def _cores(modes, cols, rank):
     torch.manual_seed(0)
     ranks = [1] + [rank] * (len(modes) - 1) + [1]
-    return [torch.randn(ranks[k], modes[k], cols[k], ranks[k + 1], dtype=torch.float64,
-                        requires_grad=True) for k in range(len(modes))]
+    return [torch.randn(modes[k], ranks[k], cols[k], ranks[k + 1], dtype=torch.float64,
+                        requires_grad=True) for k in range(len(modes))]  # slices first
 
 
 def test_both_contractions_give_the_same_rows_and_gradients():
@@ -19,7 +19,7 @@ def test_both_contractions_give_the_same_rows_and_gradients():
     ids = torch.tensor([0, 3, 17, 17, 209, 100, 5])
     outs = []
     for step in (lookup._contract_bucketed, lookup._contract_gathered):
-        acc = cores[0][0].index_select(0, torch.div(ids, 30, rounding_mode="floor"))
+        acc = cores[0][:, 0].index_select(0, torch.div(ids, 30, rounding_mode="floor"))
         digit = torch.remainder(torch.div(ids, 6, rounding_mode="floor"), 5)
         out = step(acc, cores[1], digit)
         grads = torch.autograd.grad(out.square().sum(), [cores[0], cores[1]])
@@ -36,16 +36,16 @@ def test_a_clear_win_is_taken_without_a_trial_and_a_close_call_is_timed(monkeypa
     monkeypatch.setattr(lookup, "_time_contractions",
                         lambda acc, core, digit: timed.append(core.shape) or "gathered")
     few = torch.randn(8, 1, 16)  # 8 ids against a core of 4,000 slices: gather them
-    chosen = lookup._faster_contraction(few, torch.randn(16, 4000, 16, 1),
+    chosen = lookup._faster_contraction(few, torch.randn(4000, 16, 16, 1),
                                         torch.zeros(8, dtype=torch.long))
     assert chosen is lookup._contract_gathered
     many = torch.randn(4096, 1, 50)  # 4,096 ids on 200 large slices: bucket them
-    chosen = lookup._faster_contraction(many, torch.randn(50, 200, 1, 50),
+    chosen = lookup._faster_contraction(many, torch.randn(200, 50, 1, 50),
                                         torch.zeros(4096, dtype=torch.long))
     assert chosen is lookup._contract_bucketed
     assert timed == []
     close = torch.randn(512, 1, 16)
-    core = torch.randn(16, 600, 16, 1)
+    core = torch.randn(600, 16, 16, 1)
     assert lookup._faster_contraction(close, core, torch.zeros(512, dtype=torch.long)) is (
         lookup._contract_gathered)
     assert timed == [core.shape]
@@ -58,7 +58,7 @@ def test_no_trial_runs_under_saved_tensor_hooks(monkeypatch):
     monkeypatch.setattr(lookup, "_time_contractions", lambda *a: (_ for _ in ()).throw(
         AssertionError("a trial under the caller's hooks")))
     close = torch.randn(512, 1, 16)
-    core = torch.randn(16, 600, 16, 1)
+    core = torch.randn(600, 16, 16, 1)
     seen = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
         lookup._faster_contraction(close, core, torch.zeros(512, dtype=torch.long))
@@ -71,3 +71,28 @@ def test_a_lookup_of_no_ids_has_rows_of_the_right_width():
         out = lookup.chain_lookup(ids, cores, (30, 20), (1, 16))
         out.sum().backward()
         assert out.shape == (ids.numel(), 16)
+
+
+def test_sparse_core_gradients_equal_the_dense_ones_and_hold_only_the_slices_read():
+    """Orders 1-4: the same rows, and each core's sparse gradient equals its dense one, with
+    entries only for the digits the ids read (repeats included, summed when coalesced)."""
+    shapes = [((60,), (8,)), ((6, 10), (2, 4)), ((3, 4, 5), (2, 2, 2)),
+              ((2, 3, 2, 5), (1, 2, 2, 2))]
+    ids = torch.tensor([0, 7, 7, 59, 31, 42, 7])
+    for modes, cols in shapes:
+        cores = _cores(modes, cols, 3)
+        gates = [torch.rand(3, dtype=torch.float64) + 0.5 for _ in modes[1:]]
+        weight = torch.randn(ids.numel(), torch.tensor(cols).prod().item(), dtype=torch.float64)
+        dense = lookup.chain_lookup(ids, cores, modes, cols, gates)
+        want = torch.autograd.grad((dense * weight).sum(), cores)
+        sparse = lookup.chain_lookup(ids, cores, modes, cols, gates, sparse=True)
+        torch.testing.assert_close(sparse, dense)
+        (sparse * weight).sum().backward()
+        rest = ids
+        for k in reversed(range(len(modes))):
+            digit, rest = torch.remainder(rest, modes[k]), torch.div(rest, modes[k],
+                                                                     rounding_mode="floor")
+            grad = cores[k].grad
+            assert grad.is_sparse
+            assert sorted(grad.coalesce().indices()[0].tolist()) == sorted(set(digit.tolist()))
+            torch.testing.assert_close(grad.to_dense(), want[k])

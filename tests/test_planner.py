@@ -631,7 +631,8 @@ def _ttm_cores(m, n, ranks, seed=0):
 )
 def test_embedding_lookup_matches_table_and_grads(m, n, ranks):
     cores64 = [c.requires_grad_() for c in _ttm_cores(m, n, ranks)]
-    cores32 = [c.detach().float().requires_grad_() for c in cores64]
+    # a lookup reads its cores slices first, (m, r, n, r')
+    cores32 = [c.detach().float().transpose(0, 1).contiguous().requires_grad_() for c in cores64]
     ids = torch.randint(0, math.prod(m), (37,), generator=torch.Generator().manual_seed(2))
     table = ttm_table(cores64, m, n)
     ref = table.index_select(0, ids)
@@ -652,7 +653,7 @@ def test_embedding_lookup_matches_table_and_grads(m, n, ranks):
         forced = EmbeddingPlan(plan.row_modes, plan.col_modes, plan.ranks, 64, split, 0, 0, 0)
         g = torch.autograd.grad((forced.lookup(ids, cores32) * w.float()).sum(), cores32)
         for a, b in zip(g, g_ref):
-            assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
+            assert (a.transpose(0, 1).double() - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 def test_embedding_chain_wins_for_few_ids_and_split_for_many():
@@ -668,7 +669,7 @@ def test_embedding_reference_config_rows():
     cores64 = _ttm_cores(m, n, [30, 30, 30])
     ids = torch.tensor([0, 1, 31999, 12345, 800, 20000])
     plan = embedding_plan(m, n, 30, len(ids))
-    out = plan.lookup(ids, [c.float() for c in cores64])
+    out = plan.lookup(ids, [c.float().transpose(0, 1) for c in cores64])
     for row, token in zip(out, ids.tolist()):
         digits, rest = [], token
         for size in reversed(m):

@@ -48,8 +48,9 @@ def _pulled_back(layer: TTEmbedding, table_grad: torch.Tensor) -> list[torch.Ten
 
 def _grads(layer: TTEmbedding) -> list[torch.Tensor]:
     cache = layer.cache.weight.grad
-    return [*(p.grad.clone() for p in [*layer.cores, *layer.gates]),
-            cache.to_dense() if cache.is_sparse else cache.clone()]
+    dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+             for p in [*layer.cores, *layer.gates]]
+    return [*dense, cache.to_dense() if cache.is_sparse else cache.clone()]
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])

@@ -132,6 +132,8 @@ def _check_layout(name: str, layout: dict[str, Any], state: dict[str, torch.Tens
     try:
         with torch.device("meta"):  # the cores the layout implies, allocating nothing
             cores = [tuple(c.shape) for c in _layer_of(layout).cores]
+        if layout["format"] == TT_EMBEDDING and "cores" not in layout:  # chain order, as
+            cores = [(c[1], c[0], *c[2:]) for c in cores]  # saved before slices first
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"does not describe a layer ({type(exc).__name__}: {str(exc)[:120]})") from None
     saved_cores = [tuple(state[f"{name}.cores.{k}"].shape) if f"{name}.cores.{k}" in state

@@ -110,8 +110,9 @@ def _slice_parameter(param: nn.Parameter, dim: int, index: Tensor) -> None:
     kept = param.data.index_select(dim, index).contiguous()
     _forget_grad_accumulator(param)
     param.data = kept
-    if param.grad is not None:
-        param.grad = param.grad.index_select(dim, index).contiguous()
+    if param.grad is not None:  # a sparse gradient (a sparse table's cores) is sliced dense
+        grad = param.grad.to_dense() if param.grad.is_sparse else param.grad
+        param.grad = grad.index_select(dim, index).contiguous()
 
 
 def _renew_parameter_dicts(*holders: nn.Module) -> None:
@@ -139,6 +140,9 @@ class TensorizedLayer(PlannedLayer, nn.Module):
     """Base class: cores + rank gates + pruning + a state dict that carries the layout."""
 
     format: str = ""
+    left_bond_dim = 0
+    """The dim of a core that holds its left bond: 0 in a chain ``(r_{k-1}, ..., r_k)``.
+    ``TTEmbedding`` keeps its cores slices first, ``(m_k, r_{k-1}, n_k, r_k)`` (dim 1)."""
 
     def __init__(self, cores: list[Tensor], threshold: float = DEFAULT_THRESHOLD) -> None:
         super().__init__()
@@ -175,11 +179,16 @@ class TensorizedLayer(PlannedLayer, nn.Module):
         return [1] + [int(alive(g, self.threshold).sum()) for g in self.gates] + [1]
 
     def core_shape(self, k: int, ranks: list[int]) -> tuple[int, ...]:
-        """Shape of core ``k`` for the given rank list (physical axes sit between the bonds)."""
-        return (ranks[k], *self.core_physical_shapes()[k], ranks[k + 1])
+        """Shape of core ``k`` for the given rank list (the left bond at ``left_bond_dim``,
+        the right bond last, the physical axes between)."""
+        shape = [*self.core_physical_shapes()[k], ranks[k + 1]]
+        shape.insert(self.left_bond_dim, ranks[k])
+        return tuple(shape)
 
     def core_physical_shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(int(s) for s in c.shape[1:-1]) for c in self.cores]
+        bond = self.left_bond_dim
+        return [tuple(int(s) for d, s in enumerate(c.shape[:-1]) if d != bond)
+                for c in self.cores]
 
     def num_core_parameters(self, ranks: list[int] | None = None) -> int:
         ranks = self.ranks if ranks is None else ranks
@@ -212,6 +221,11 @@ class TensorizedLayer(PlannedLayer, nn.Module):
         """Cores with the (thresholded) gates folded into their right bonds."""
         return fold_gates(list(self.cores), list(self.gates), self.threshold)
 
+    def chain_cores(self) -> list[Tensor]:
+        """``gated_cores()`` in chain order, ``(r_{k-1}, ..., r_k)``, as the format functions
+        read them (views, whatever ``left_bond_dim`` is)."""
+        return [c.movedim(self.left_bond_dim, 0) for c in self.gated_cores()]
+
     # ----- pruning ------------------------------------------------------------------------
     @torch.no_grad()
     def prune_ranks(self, multiple_of: int | None = None) -> PruneResult:
@@ -233,7 +247,7 @@ class TensorizedLayer(PlannedLayer, nn.Module):
             index = keep.nonzero().flatten()
             removed.append(int(gate.numel() - index.numel()))
             left, right = self.cores[k], self.cores[k + 1]
-            for param, dim in ((left, left.dim() - 1), (right, 0), (gate, 0)):
+            for param, dim in ((left, left.dim() - 1), (right, self.left_bond_dim), (gate, 0)):
                 _slice_parameter(param, dim, index)
                 slices.append((param, dim, index))
         if any(removed):

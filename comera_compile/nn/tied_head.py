@@ -49,7 +49,7 @@ class TiedEmbeddingHead(PlannedLinearMixin, nn.Module):
         pass
 
     def gated_cores(self) -> list[Tensor]:
-        return self.embedding.gated_cores()
+        return self.embedding.chain_cores()
 
     def _network(self, rows: int):
         return ttm_linear_network(self.in_modes, self.out_modes, self.embedding.ranks, rows)

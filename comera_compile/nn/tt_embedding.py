@@ -24,7 +24,7 @@ from comera_compile.formats import (
     zero_pad,
 )
 from comera_compile.formats.whiten import TABLE_DAMPING, weighted_lowrank_table
-from comera_compile.nn.base import TensorizedLayer
+from comera_compile.nn.base import LAYOUT_KEY, TensorizedLayer, decode_layout, encode_layout
 from comera_compile.nn.gates import DEFAULT_THRESHOLD, hard_threshold
 from comera_compile.nn.row_cache import (
     DEFAULT_WARMUP,
@@ -49,15 +49,21 @@ class TTEmbedding(TensorizedLayer):
     """``nn.Embedding`` (or, with ``mode=``, ``nn.EmbeddingBag``) replacement in TTM format.
 
     The name says TT (tensor train); the layout is TTM (tensor-train *matrix*): the
-    ``(num_embeddings, embedding_dim)`` table is one chain of cores
-    ``(r_{k-1}, row_modes[k], col_modes[k], r_k)``, one per (vocabulary mode, dim mode)
-    pair, as in TT-Rec and CoMERA. It is not the TT-linear layout of ``TTLinear``.
+    ``(num_embeddings, embedding_dim)`` table is one chain of cores, one per (vocabulary
+    mode, dim mode) pair, as in TT-Rec and CoMERA. It is not the TT-linear layout of
+    ``TTLinear``. Each core is stored slices first, ``(row_modes[k], r_{k-1}, col_modes[k],
+    r_k)``, as TT-Rec stores it: a lookup reads one contiguous slice per id and core
+    (``chain_cores()`` gives the chain order, ``(r_{k-1}, m_k, n_k, r_k)``).
 
-    ``sparse=True`` is accepted so that a recommender's table swaps in unchanged; the cores'
-    gradients are dense either way (``declared_sparse`` remembers what the table asked for).
+    ``sparse=True`` gives sparse gradients, as it does a dense table: each core's gradient
+    holds only the slices the step's ids read (``planner.lookup.Slices``), so a step's
+    backward and update cost its ids, not the whole cores. Where a process group is
+    initialized (DDP and FSDP2 reduce dense gradients but for ``nn.Embedding``'s own) and in
+    compiled lookups they are dense (``sparse_gradients``).
     """
 
     format = "tt_embedding"
+    left_bond_dim = 1
     recompute_lookup = False
     """Set by ``compile.bond_recompute``: the lookup keeps only the ids for backward and builds
     its rows again there, a block of ids at a time (``RECOMPUTED_IDS``). A lookup's partial
@@ -86,7 +92,7 @@ class TTEmbedding(TensorizedLayer):
             padding_idx %= num_embeddings
         # nn.Embedding draws N(0, 1): unit variance per entry.
         cores = ttm_random_cores(chain.first, chain.second, chain.ranks, 1.0, dtype, device)
-        super().__init__(cores, threshold)
+        super().__init__(slices_first(cores), threshold)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.row_modes, self.col_modes = chain.first, chain.second
         self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
@@ -95,6 +101,19 @@ class TTEmbedding(TensorizedLayer):
         self.cache_rows, self._tally, self._cache_filled = 0, IdTally(), False
         self.set_cache(cache_rows, cache_warmup)
         _watch_sparse_adam()
+
+    @property
+    def sparse_gradients(self) -> bool:
+        """Whether this step's lookups give the cores sparse gradients (class docstring)."""
+        return self.declared_sparse and not (
+            torch.distributed.is_available() and torch.distributed.is_initialized())
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are sparse (for an optimizer that splits sparse
+        from dense): the cores where ``sparse_gradients``, and a sparse cache's rows."""
+        cores = list(self.cores) if self.sparse_gradients else []
+        cache = [self.cache.weight] if self.cache is not None and self.cache.sparse else []
+        return cores + cache
 
     @property
     def lookup_outgrows_rows(self) -> bool:
@@ -122,7 +141,7 @@ class TTEmbedding(TensorizedLayer):
 
     def layout(self) -> dict:
         extra = {"cache_rows": self.cache_rows} if self.cache_rows else {}
-        return {**super().layout(), "num_embeddings": self.num_embeddings,
+        return {**super().layout(), "cores": SLICES_FIRST, "num_embeddings": self.num_embeddings,
                 "embedding_dim": self.embedding_dim, "row_modes": list(self.row_modes),
                 "col_modes": list(self.col_modes), **extra}
 
@@ -220,13 +239,14 @@ class TTEmbedding(TensorizedLayer):
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
         gates = [hard_threshold(g, self.threshold) for g in self.gates]
+        sparse = self.sparse_gradients and torch.is_grad_enabled()
         if self.recompute_lookup and torch.is_grad_enabled():
             # one checkpoint per block of ids: backward rebuilds one block's products at once
             rows = torch.cat([checkpoint(self.plan_for(part.numel()).lookup, part,
-                                         list(self.cores), gates, use_reentrant=False)
+                                         list(self.cores), gates, sparse, use_reentrant=False)
                               for part in ids.split(RECOMPUTED_IDS)])
         else:
-            rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates)
+            rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates, sparse)
         return rows[:, : self.embedding_dim]
 
     def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -311,9 +331,23 @@ class TTEmbedding(TensorizedLayer):
             return rows[:, 0]
         return rows.sum(1) if self.mode == "sum" else rows.mean(1)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        saved = state_dict.get(prefix + LAYOUT_KEY)
+        if saved is not None and "cores" not in decode_layout(saved):
+            # saved before cores were stored slices first: chain order, (r, m, n, r')
+            layout = {**decode_layout(saved), "cores": SLICES_FIRST}
+            state_dict[prefix + LAYOUT_KEY] = encode_layout(layout)
+            for k in range(len(self.cores)):
+                key = f"{prefix}cores.{k}"
+                if key in state_dict:
+                    state_dict[key] = state_dict[key].transpose(0, 1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._cache_filled = None if self.cache_rows else False  # read from the loaded ids
+
+    def _set_cores(self, cores: list[Tensor]) -> None:
+        """Adopt chain-order cores ``(r_{k-1}, m_k, n_k, r_k)`` (an SVD's), stored slices
+        first."""
+        super()._set_cores(slices_first(cores))
 
     def _check_ids(self, flat: Tensor, eager: bool) -> None:
         """Out-of-range ids would silently read padding rows of the TTM chain: refuse them."""
@@ -329,7 +363,7 @@ class TTEmbedding(TensorizedLayer):
 
     def to_dense(self) -> Tensor:
         """The ``(num_embeddings, embedding_dim)`` table (for export and tests only)."""
-        full = ttm_to_dense(self.gated_cores(), self.row_modes, self.col_modes)
+        full = ttm_to_dense(self.chain_cores(), self.row_modes, self.col_modes)
         table = full[: self.num_embeddings, : self.embedding_dim]
         if self.cache is not None:  # cached rows are the cache's
             held = self.cache.ids != EMPTY
@@ -375,6 +409,16 @@ def _eager_forward(layer: TTEmbedding, input: Tensor, offsets: Tensor | None,
                    weights: Tensor | None) -> Tensor:
     """A cached table's forward, run eagerly (a graph break when called from compiled code)."""
     return layer._forward(input, offsets, weights)
+
+
+SLICES_FIRST = "slices_first"
+"""``layout()["cores"]`` of a table whose cores are stored ``(m_k, r_{k-1}, n_k, r_k)``;
+a checkpoint without the key holds chain-order cores, turned on load."""
+
+
+def slices_first(cores: Sequence[Tensor]) -> list[Tensor]:
+    """Chain-order cores ``(r_{k-1}, m_k, n_k, r_k)`` stored slices first."""
+    return [c.transpose(0, 1).contiguous() for c in cores]
 
 
 def weighted_lowrank_cores(layer: TTEmbedding, table: Tensor, frequencies: Tensor,
@@ -426,8 +470,9 @@ def _refuse_dense_grads_in_sparse_adam(optimizer, args, kwargs) -> None:
                 raise RuntimeError(
                     "torch.optim.SparseAdam only takes sparse gradients, but a parameter of "
                     f"shape {tuple(param.shape)} has a dense one. Tensorized embedding tables "
-                    "(TTEmbedding, which replaces nn.Embedding/EmbeddingBag(sparse=True)) "
-                    "train small TT cores whose gradients are dense: optimize them with "
-                    "torch.optim.Adam, Adagrad or SGD instead of SparseAdam, e.g. "
-                    "torch.optim.Adam(model.parameters())."
+                    "(TTEmbedding) give their TT cores sparse gradients only where the table "
+                    "was declared sparse=True and no process group is initialized (DDP and "
+                    "FSDP2 reduce dense ones), and their rank gates are dense: optimize "
+                    "dense gradients with torch.optim.Adam, Adagrad or SGD instead of "
+                    "SparseAdam, e.g. torch.optim.Adagrad(model.parameters())."
                 )

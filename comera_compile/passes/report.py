@@ -272,9 +272,10 @@ def _notes(model: nn.Module, report: OptimizeReport | None = None) -> dict[str, 
             continue
         said = []
         if module.declared_sparse:
-            said.append("declared sparse=True; gradients became dense: its TT cores get small "
-                        "dense gradients, which SGD, Adagrad and Adam take (SparseAdam does "
-                        "not)" + (", its hot-row cache sparse ones" if module.cache_rows else ""))
+            said.append("declared sparse=True; gradients stay sparse: its TT cores get the "
+                        "slices a step reads (dense where a process group is initialized), "
+                        "which SGD, Adagrad and SparseAdam take (Adam does not)"
+                        + (", its hot-row cache its rows" if module.cache_rows else ""))
         if module.cache_rows:
             said.append(_cache_state(module))
         if reasons.get(name) and not module.cache_rows:

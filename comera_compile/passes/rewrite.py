@@ -71,7 +71,7 @@ def match_weight_scale(layer: TensorizedLayer, weight: torch.Tensor) -> None:
     with torch.no_grad():
         target = float(weight.detach().float().square().mean().sqrt())
         norm = getattr(layer, "frobenius_norm", None)  # block layers: not a plain chain
-        current = (norm() if norm else chain_norm(layer.gated_cores())) / math.sqrt(
+        current = (norm() if norm else chain_norm(layer.chain_cores())) / math.sqrt(
             weight.numel())
         if target > 0 and current > 0:
             factor = (target / current) ** (1.0 / len(layer.cores))

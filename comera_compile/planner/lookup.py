@@ -1,8 +1,10 @@
 """Running a TT-embedding lookup plan (``planner.embedding``): gathers and small
-contractions, never the table. By ``plan.split``: ``0`` gathers rows of the one core; a
-bond ``s`` merges ``cores[:s]`` and ``cores[s:]`` into two tables, gathers a slice of each
-per id and multiplies them; ``CHAIN`` contracts the chain per row, a core at a time (eagerly
-in buckets of equal mode index, so each slice is read once per batch).
+contractions, never the table. An embedding's cores come slices first, ``(m_k, r_{k-1}, n_k,
+r_k)``, as TT-Rec stores them: an id's digit picks one contiguous slice, and a gradient that
+holds only the slices read is a plain sparse tensor. By ``plan.split``: ``0`` gathers rows of
+the one core; a bond ``s`` merges ``cores[:s]`` and ``cores[s:]`` into two tables, gathers a
+slice of each per id and multiplies them; ``CHAIN`` contracts the chain per row, a core at a
+time (eagerly in buckets of equal mode index, so each slice is read once per batch).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .host import host_reads_allowed
 from .network import next_power_of_two
@@ -26,14 +29,17 @@ CHAIN = -1
 
 
 def run_lookup(plan: EmbeddingPlan, ids: Tensor, cores: Sequence[Tensor],
-               gates: Sequence[Tensor] | None = None) -> Tensor:
-    """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``, run as ``plan``."""
+               gates: Sequence[Tensor] | None = None, sparse: bool = False) -> Tensor:
+    """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``, run as ``plan``,
+    from slices-first ``cores``. ``sparse``: the cores' gradients are sparse, the slices the
+    ids read (:class:`Slices`); the chain then runs per core whatever the plan's split, as a
+    merged half's gradient would be the whole half."""
     if ids.dim() != 1:
         raise ValueError(f"lookup expects 1-d ids, got shape {tuple(ids.shape)}")
     if len(cores) != len(plan.row_modes):
         raise ValueError(f"expected {len(plan.row_modes)} cores, got {len(cores)}")
-    if plan.split == CHAIN:
-        return chain_lookup(ids, cores, plan.row_modes, plan.col_modes, gates)
+    if plan.split == CHAIN or sparse:
+        return chain_lookup(ids, cores, plan.row_modes, plan.col_modes, gates, sparse)
     if gates is not None:
         cores = [c * g.to(c.dtype) for c, g in zip(cores, gates)] + list(cores[len(gates) :])
     if plan.split == 0:
@@ -50,6 +56,7 @@ def run_lookup(plan: EmbeddingPlan, ids: Tensor, cores: Sequence[Tensor],
 def tables(plan: EmbeddingPlan, cores: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """Left ``(M_L, N_L * r_s)`` and right ``(M_R, r_s * N_R)`` tables (gather-ready)."""
     m, n, r, s = plan.row_modes, plan.col_modes, plan.ranks, plan.split
+    cores = [c.transpose(0, 1) for c in cores]  # chain order (views)
     left = cores[0].reshape(m[0], n[0], r[1])
     for k in range(1, s):
         big_m, big_n = left.shape[0], left.shape[1]
@@ -68,20 +75,25 @@ def tables(plan: EmbeddingPlan, cores: Sequence[Tensor]) -> tuple[Tensor, Tensor
 
 
 def chain_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
-                 col_modes: Sequence[int], gates: Sequence[Tensor] | None = None) -> Tensor:
-    """Contract the chain per row: gather the first core's slice, then one core at a time."""
+                 col_modes: Sequence[int], gates: Sequence[Tensor] | None = None,
+                 sparse: bool = False) -> Tensor:
+    """Contract the chain per row: gather the first core's slice, then one core at a time
+    (``sparse``: gathered, with sparse core gradients, :class:`Slices`)."""
     digits, rest = [], ids
     for size in reversed(row_modes):  # mixed radix, first mode most significant
         digits.append(torch.remainder(rest, size))
         rest = torch.div(rest, size, rounding_mode="floor")
     digits.reverse()
     rows = ids.shape[0]
-    acc = cores[0].squeeze(0).index_select(0, digits[0])  # (b, n_1, r_1); a view, not a select:
-    # select's backward would build the whole core's gradient twice
+    first = Slices.apply(cores[0], digits[0]) if sparse else cores[0].index_select(0, digits[0])
+    acc = first.squeeze(1)  # (b, n_1, r_1)
     eager = host_reads_allowed()  # the bucketed contraction reads a depth
     for k in range(1, len(row_modes)):
         if gates is not None:  # scale the bond between cores k-1 and k
             acc = acc * gates[k - 1].to(acc.dtype)
+        if sparse:
+            acc = _contract_gathered(acc, cores[k], digits[k], sparse=True)
+            continue
         step = _faster_contraction(acc, cores[k], digits[k]) if eager else _contract_gathered
         acc = step(acc, cores[k], digits[k])
     return acc.reshape(rows, math.prod(col_modes))
@@ -102,7 +114,7 @@ def _faster_contraction(acc: Tensor, core: Tensor, digit: Tensor):
     key = (next_power_of_two(rows), width, *core.shape, acc.dtype, acc.device.type)
     name = _measured.get(key)
     if name is None:
-        r, m, n, r_next = core.shape
+        m, r, n, r_next = core.shape
         moved = {"gathered": rows * r * n * r_next,  # a slice per id, and its gradient
                  "bucketed": r * m * n * r_next + 2 * rows * width * (r + n * r_next)}
         name = min(moved, key=moved.get)
@@ -141,11 +153,31 @@ def _intercepted() -> bool:
     return hooked or _get_current_dispatch_mode() is not None
 
 
-def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
-    """``acc (b, w, r)`` times each row's slice ``core[:, digit]`` -> ``(b, w * n, r')``."""
+class Slices(torch.autograd.Function):
+    """``core.index_select(0, index)`` of a slices-first core, with a sparse gradient: the
+    slices read, as ``nn.Embedding(sparse=True)`` gives its rows. A dense gradient is the
+    whole core, zero-filled and then added to the core by the optimizer each step however
+    few ids the step read; this one costs what the ids read."""
+
+    @staticmethod
+    def forward(ctx, core: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.core_shape = core.shape
+        return core.index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        return torch.sparse_coo_tensor(index.unsqueeze(0), grad, ctx.core_shape,
+                                       check_invariants=False), None
+
+
+def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor, sparse: bool = False) -> Tensor:
+    """``acc (b, w, r)`` times each row's slice ``core[digit]`` -> ``(b, w * n, r')``."""
     rows, width, _ = acc.shape
-    r, _, n, r_next = core.shape
-    g = core.index_select(1, digit).transpose(0, 1)  # (b, r, n, r')
+    _, r, n, r_next = core.shape
+    g = Slices.apply(core, digit) if sparse else core.index_select(0, digit)  # (b, r, n, r')
     out = torch.bmm(acc, g.reshape(rows, r, n * r_next))  # sizes spelled out: rows may be 0
     return out.reshape(rows, width * n, r_next)
 
@@ -153,7 +185,7 @@ def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
 def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
     """Same result as :func:`_contract_gathered`, as one bmm over the core's ``m`` slices."""
     rows, width, rank = acc.shape
-    r, m, n, r_next = core.shape
+    m, r, n, r_next = core.shape
     counts = torch.bincount(digit, minlength=m)
     depth = int(counts.max())
     order = torch.argsort(digit, stable=True)
@@ -162,6 +194,6 @@ def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
     slot[order] = torch.arange(rows, device=digit.device) - starts[digit[order]]
     place = digit * depth + slot
     buckets = acc.new_zeros(m * depth, width, rank).index_copy(0, place, acc)
-    slices = core.permute(1, 0, 2, 3).reshape(m, r, n * r_next)
+    slices = core.reshape(m, r, n * r_next)
     out = torch.bmm(buckets.view(m, depth * width, rank), slices)
     return out.view(m * depth, width * n, r_next).index_select(0, place)

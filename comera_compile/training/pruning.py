@@ -127,9 +127,7 @@ def revive_fresh_deaths(bank: GateBank, counts: list[int], deficit: float,
         fresh = ((g > 0) & (g <= bank.thresholds[b])).nonzero().flatten()
         if fresh.numel():
             layer, k = bank.layers[bank.bond_layer[b]], bank.bond_k[b]
-            r = gate.numel()
-            left = full(layer.cores[k].detach()).reshape(-1, r).norm(dim=0)
-            right = full(layer.cores[k + 1].detach()).reshape(r, -1).norm(dim=1)
+            left, right = bond_norms(layer, k)
             energy = (left * right)[fresh].tolist()
             candidates += [(e, b, int(i)) for e, i in zip(energy, fresh.tolist())]
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
@@ -180,15 +178,22 @@ def _mul_state(optimizer: torch.optim.Optimizer | None, param: torch.Tensor, kee
 
 
 @torch.no_grad()
+def bond_norms(layer: TensorizedLayer, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel of bond ``k``: the norm of its slice in the core on its left and in the
+    core on its right (the channel's energy is their product times its gate)."""
+    left = full(layer.cores[k].detach())
+    right = full(layer.cores[k + 1].detach()).movedim(layer.left_bond_dim, 0)
+    r = left.shape[-1]
+    return left.reshape(-1, r).norm(dim=0), right.reshape(r, -1).norm(dim=1)
+
+
 def channel_scores(bank: GateBank) -> list[torch.Tensor]:
     """Per bond: the share of the bond's energy each live channel carries."""
     scores = []
     for b, (i, k) in enumerate(zip(bank.bond_layer, bank.bond_k)):
         layer = bank.layers[i]
         gate = layer.gates[k].detach()
-        r = gate.numel()
-        left = full(layer.cores[k].detach()).reshape(-1, r).norm(dim=0)
-        right = full(layer.cores[k + 1].detach()).reshape(r, -1).norm(dim=1)
+        left, right = bond_norms(layer, k)
         alive = gate.abs() > bank.thresholds[b]
         energy = (gate.abs() * alive * left * right).pow(2)
         share = energy / energy.sum().clamp(min=torch.finfo(energy.dtype).tiny)
