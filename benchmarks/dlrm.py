@@ -11,7 +11,9 @@ child process, and reports side by side:
   built (the peak is reset with /proc/self/clear_refs once the model is ready; the
   compressed rows build their DLRM on the meta device, so no dense table ever exists there);
 - step time: median wall time of forward + backward + optimizer step over the steps after
-  the caches' warm-up (the same steps for every row; batches are made outside the timer);
+  the caches' warm-up (the same steps for every row; batches are made outside the timer),
+  then the median over ``--rounds`` processes per row, run in turn (dense, tt, tt+cache,
+  dense, ...), so that a slow spell of the machine falls on every row alike;
 - held-out log loss and AUC after the last step.
 
 Rows: ``dense`` is what real DLRMs do (``nn.EmbeddingBag(sparse=True)`` and SGD, which
@@ -186,11 +188,22 @@ def _child(row: str, ids: str, argv: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _merged(runs: list[dict]) -> dict:
+    """One row from its rounds: the median step and peak; the rest (the same seeds) from
+    the first round."""
+    failed = next((r for r in runs if "error" in r), None)
+    if failed:
+        return failed
+    steps = [r["step_s"] for r in runs]
+    return {**runs[0], "step_s": statistics.median(steps), "step_rounds": steps,
+            "peak_bytes": statistics.median(r["peak_bytes"] for r in runs)}
+
+
 def _table(results: list[dict]) -> list[str]:
     """Markdown rows, each compared with the dense row of its id distribution."""
     lines = ["| ids | row | params | smaller | cache params | cache hits | peak MiB | less memory "
-             "| step ms | step vs dense | held-out log loss | vs dense | AUC |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| step ms | rounds ms | step vs dense | held-out log loss | vs dense | AUC |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['ids']} | {r['row']} | failed: {r['error']} |")
@@ -201,11 +214,12 @@ def _table(results: list[dict]) -> list[str]:
         step = r["step_s"] / dense["step_s"] if dense else math.nan
         rel = (r["log_loss"] / dense["log_loss"] - 1) * 100 if dense else math.nan
         hits = "" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
+        rounds = ", ".join(f"{t * 1e3:.1f}" for t in r.get("step_rounds", [r["step_s"]]))
         lines.append(
             f"| {r['ids']} | {r['row']} | {r['params']:,} | {r['dense_params'] / r['params']:.1f}x "
             f"| {r['cache_params']:,} | {hits} | {r['peak_bytes'] / 2**20:,.0f} | {mem:.1f}x "
-            f"| {r['step_s'] * 1e3:.1f} | {step:.2f}x | {r['log_loss']:.4f} | {rel:+.2f}% "
-            f"| {r['auc']:.4f} |")
+            f"| {r['step_s'] * 1e3:.1f} | {rounds} | {step:.2f}x | {r['log_loss']:.4f} "
+            f"| {rel:+.2f}% | {r['auc']:.4f} |")
     return lines
 
 
@@ -236,6 +250,8 @@ def main() -> None:
                         help="rows for every id distribution (dense, tt, tt+cache, tt+cache@S)")
     parser.add_argument("--uniform-extra", default="tt+cache@0.5",
                         help="extra rows for uniform ids (what a forced cache costs there)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="processes per row, run in turn; the step is their median")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per row (1: steadier on a shared machine)")
     parser.add_argument("--no-results", action="store_true", help="do not write results/")
@@ -257,9 +273,9 @@ def main() -> None:
         f"DLRM: {len(cards)} bags x dim 16, {sum(cards):,} rows ({size}; dense tables "
         f"{sum(cards) * 16 * 4 / 2**30:.2f} GiB), batch {args.batch}, {args.steps} SGD steps, "
         f"step time over steps {args.warmup + 5}-{args.steps} (the caches fill after "
-        f"{args.warmup}), held-out {args.held_out:,}, {args.threads} thread(s), one process "
-        f"per row; SGD at {args.lr:g} (TT cores {args.core_lr:g}), tables start at std "
-        f"{args.table_std:g}",
+        f"{args.warmup}), held-out {args.held_out:,}, {args.threads} thread(s), "
+        f"{args.rounds} process(es) per row run in turn; SGD at {args.lr:g} (TT cores "
+        f"{args.core_lr:g}), tables start at std {args.table_std:g}",
     ]
     for ids in args.ids.split(","):
         data = _data(ids, cards)
@@ -275,9 +291,12 @@ def main() -> None:
         rows = args.rows.split(",")
         if ids == "uniform" and args.uniform_extra:
             rows += args.uniform_extra.split(",")
-        for row in rows:
-            results.append(_child(row, ids, argv))
-            print("\n".join(_table(results[-1:])[2:]), flush=True)
+        runs = {row: [] for row in rows}
+        for _ in range(args.rounds):
+            for row in rows:
+                runs[row].append(_child(row, ids, argv))
+                print("\n".join(_table(runs[row][-1:])[2:]), flush=True)
+        results += [_merged(runs[row]) for row in rows]
     layers = [f"{r['row']} ({r['ids']} ids):\n{r['summary']}" for r in results
               if r.get("summary") and r["row"] != "tt"]
     table = _table(results)

@@ -261,8 +261,8 @@ def test_a_token_table_trained_from_scratch_is_factorized_and_a_pretrained_one_i
     assert not table.lookup_outgrows_rows  # nothing for a lean step to recompute
     records = {r["name"]: r for r in cc.summary(model).records}
     assert records["tokens"]["order_reason"] == FACTORIZED_TABLE
-    a, b = (core.detach() for core in table.cores)  # (1, 4000, 1, r) and (r, 1, 256, 1)
-    torch.testing.assert_close(table(ids[0]), (a[0, ids[0], 0] * _gate(table)) @ b[:, 0, :, 0])
+    a, b = (core.detach() for core in table.cores)  # slices first: (4000, 1, 1, r), (1, r, 256, 1)
+    torch.testing.assert_close(table(ids[0]), (a[ids[0], 0, 0] * _gate(table)) @ b[0, :, :, 0])
     losses = []
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(30):  # a next-token task: the factorized table trains
