@@ -55,7 +55,7 @@ def main() -> None:
     model = cc.optimize(model, args.budget, example_inputs=example, compile=False, inplace=True)
     print(cc.summary(model))
 
-    opt = Adagrad(model, lr=0.03)  # fused over the TT cores; not SparseAdam: see the summary
+    opt = Adagrad(model, lr=0.03)  # fused over dense gradients, sparse kernel over the rest
     for step in tqdm(range(args.steps), desc="training"):
         dense, sparse, labels = data.batch(512, seed=step)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), labels)

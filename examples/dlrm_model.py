@@ -83,10 +83,11 @@ def _lower_pairs(vectors: int) -> Tensor:
 
 class Adagrad:
     """Adagrad over a model whose tables may keep sparse gradients: one fused (single-pass)
-    kernel for every dense gradient (MLPs, TT cores) and the plain kernel for the
-    ``sparse=True`` tables left dense, since the fused one takes no sparse gradients.
+    kernel for every dense gradient (MLPs, rank gates) and the plain kernel for the sparse
+    ones (``sparse=True`` tables left dense, TT cores and caches of ``sparse=True`` tables:
+    ``TTEmbedding.sparse_parameters``), since the fused one takes no sparse gradients.
 
-    A sparse table of at most ``SMALL_TABLE`` entries joins the fused kernel with its
+    A sparse parameter of at most ``SMALL_TABLE`` entries joins the fused kernel with its
     gradient made dense first: the same update (Adagrad leaves rows with a zero gradient
     as they are), without the sparse kernel's per-table sorting."""
 
@@ -98,7 +99,7 @@ class Adagrad:
             for m in model.modules()
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
         }
-        sparse |= {  # a TT table's hot-row cache
+        sparse |= {  # a TT table's cores and hot-row cache
             id(p) for m in model.modules() for p in getattr(m, "sparse_parameters", list)()
         }
         params = [p for p in model.parameters() if p.requires_grad]
