@@ -7,6 +7,7 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.nn import LowRankLinear, TTLinear
+from tests.models import dlrm_batch, small_dlrm
 
 
 def _layer(order: int) -> TTLinear:
@@ -281,3 +282,26 @@ def _gate(table) -> torch.Tensor:
     from comera_compile.nn.gates import hard_threshold
 
     return hard_threshold(table.gates[0], table.threshold).detach()
+
+
+def test_a_recommender_table_takes_the_cheapest_layout_at_the_parameters_it_is_given():
+    """Layouts are compared again once the budget is spread: at 1/20 of a 400,000 x 64
+    table, the whole dim in the last core costs a quarter of the default split's
+    multiply-adds per row, within the same parameters; a layout set in layer_config stays."""
+    torch.manual_seed(0)
+    model = small_dlrm((400_000, 1000), dim=64, sparse=True)
+    batch = dlrm_batch(model, batch=64)
+    config = cc.CompressionConfig(budget="20x", compile=False, row_cache=0)
+    records = {r["name"]: r for r in cc.summary(
+        cc.optimize(model, config, example_inputs=batch)).records}
+    table = records["tables.0"]
+    assert table["out_modes"] == [1, 64]
+    assert "at the ~" in table["order_reason"] and "parameters the budget gave it" in (
+        table["order_reason"])
+    rank = table["ranks"][1]
+    assert table["in_modes"][0] * rank + table["in_modes"][1] * rank * 64 <= 25_600_000 / 20
+    config = cc.CompressionConfig(budget="20x", compile=False, row_cache=0,
+                                  layer_config={"tables.0": {"order": 2}})
+    records = {r["name"]: r for r in cc.summary(
+        cc.optimize(model, config, example_inputs=batch)).records}
+    assert records["tables.0"]["out_modes"] == [8, 8]  # the default split of order 2

@@ -175,6 +175,55 @@ def choose_embedding_order(cand: Candidate, cap: int,
     return OrderChoice(best, tuple(options), 1, reason)
 
 
+def reorder_tables(chosen: dict[str, tuple[Candidate, LayerSpec]], keep: set[str],
+                   max_rank: int | None = None) -> dict[str, str]:
+    """Choose each recommender table's layout again at the parameters the budget gave it,
+    in place, and say why. ``choose_embedding_order`` compares layouts before the budget is
+    spread, at a rank cap's size; a table given many times that size can be far cheaper in
+    another order (three cores at rank 100 build a row from 100 x 100 slices, two cores of
+    the same size from one rank-wide vector). Never more parameters; ``keep``: tables whose
+    layout the user set."""
+    reasons = {}
+    for name, (cand, spec) in list(chosen.items()):
+        if (name in keep or spec.format != TT_EMBEDDING
+                or not getattr(cand.module, "sparse", False)):
+            continue
+        current = spec.macs_per_row()
+        options = _table_options(cand, spec, max_rank)
+        if not options:
+            continue
+        best = min(options, key=lambda o: (o.cost, o.order))
+        if best.cost >= current:
+            continue
+        chosen[name] = (cand, best.spec)
+        reasons[name] = (
+            f"order {best.order}: fewest multiply-adds per looked-up row at the "
+            f"~{_short(spec.params)} parameters the budget gave it: {_short(best.cost)} with dim "
+            f"modes {list(best.spec.col_modes)} (order {len(spec.col_modes)} "
+            f"{list(spec.col_modes)} would cost {_short(current)})")
+    return reasons
+
+
+def _table_options(cand: Candidate, spec: LayerSpec,
+                   max_rank: int | None) -> list[OrderOption]:
+    """Every table layout at the largest rank within ``spec``'s parameters (and
+    ``max_rank``) that reaches ``SIMILAR_PARAMS`` of them and is not narrower than
+    ``MAX_FLOOR`` allows."""
+    options = []
+    for order in EMBEDDING_ORDERS:
+        for modes in _embedding_layouts(cand, order):
+            if len(modes[0]) != order or make_spec(
+                    cand, TT_EMBEDDING, 1, *modes).params > MAX_FLOOR * cand.dense_params:
+                continue
+            option = _largest_spec(cand, TT_EMBEDDING, *modes, spec.params)
+            if option is not None and max_rank is not None and max(option.ranks) > max_rank:
+                option = make_spec(cand, TT_EMBEDDING, max_rank, *modes)
+            if option is None or option.params < SIMILAR_PARAMS * spec.params:
+                continue
+            options.append(OrderOption(order, option, option.macs_per_row()))
+    return options
+
+
 FACTORIZED_TABLE = ("low rank (A B): a table trained from scratch that is not a recommender's "
                     "is factorized as ALBERT factorizes its word embeddings; a lookup is one "
                     "narrow gather and one matmul")

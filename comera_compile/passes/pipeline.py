@@ -20,6 +20,7 @@ from comera_compile.passes.choose import ALLOCATED_AS, AUTO, choose_formats
 from comera_compile.passes.eligible import eligible_options, hold_token_ends, weigh_tables
 from comera_compile.passes.fuse import fuse_captured
 from comera_compile.passes.materialize import materialize, on_meta
+from comera_compile.passes.order import reorder_tables
 from comera_compile.passes.report import OptimizeReport, attach_report, layer_records
 from comera_compile.passes.rewrite import rewrite
 from comera_compile.passes.row_cache import CachePlan, plan_caches
@@ -169,6 +170,9 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
                 caches = CachePlan({}, {n: "no hot-row cache: the budget cannot spare it"
                                         for n in caches.params})
         break
+    user_set = {o.cand.name for o in options if o.configured}  # recommender tables: at the
+    selection.order_reasons.update(  # parameters they got, the cheapest layout per row
+        reorder_tables(selection.chosen, user_set, max_rank))
     if layer_format == AUTO and grams:
         configured = check_layer_config(layer_config)
         keep = {o.cand.name for o in options
