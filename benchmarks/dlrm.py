@@ -28,6 +28,10 @@ everything else (caches, MLPs, small tables) at the dense row's rate; the MLPs s
 
     python benchmarks/dlrm.py                       # the four largest Criteo Kaggle tables
     python benchmarks/dlrm.py --tables all --scale 0.01 --steps 100   # 26 tables, a quick look
+    python benchmarks/dlrm.py --cards 12000000,4000000,1000000,200000,50000,1000 --dim 64 \
+        --bag 3 --ids zipf1.1 --name dlrm_dim64   # another shape: wider rows, bags, Zipf ids
+
+``--ids zipf<a>`` draws rank k with probability ~k^-a.
 """
 
 from __future__ import annotations
@@ -72,8 +76,24 @@ class UniformClicks(SyntheticClicks):
         return torch.randint(0, int(self.cardinalities[table]), shape, generator=generator)
 
 
-def _data(ids: str, cards: list[int]) -> SyntheticClicks:
-    return (SyntheticClicks if ids == "power" else UniformClicks)(cards)
+@dataclasses.dataclass(frozen=True)
+class ZipfClicks(SyntheticClicks):
+    """The same hidden click model, rank ``k`` drawn with probability ~``k^-exponent``."""
+
+    exponent: float = 1.1
+
+    def ids(self, table: int, shape: tuple[int, ...], generator: torch.Generator):
+        rows, a = int(self.cardinalities[table]), self.exponent
+        u = torch.rand(shape, generator=generator, dtype=torch.float64)
+        k = ((rows ** (1 - a) - 1) * u + 1) ** (1 / (1 - a))  # the inverse CDF on [1, rows]
+        rank = k.floor().long().clamp(1, rows) - 1
+        return (rank * 2654435761 + table * 97) % rows
+
+
+def _data(ids: str, cards: list[int], bag: int = 1) -> SyntheticClicks:
+    if ids.startswith("zipf"):
+        return ZipfClicks(cards, bag=bag, exponent=float(ids[4:]))
+    return (SyntheticClicks if ids == "power" else UniformClicks)(cards, bag=bag)
 
 
 def _status_bytes(key: str) -> int:
@@ -90,6 +110,8 @@ def _reset_peak() -> None:
 
 
 def _cardinalities(args: argparse.Namespace) -> list[int]:
+    if getattr(args, "cards", None):
+        return [max(2, round(int(n) * args.scale)) for n in args.cards.split(",")]
     base = LARGEST_FOUR + list(TWO_SMALL) if args.tables == "large4" else (
         CRITEO_KAGGLE_CARDINALITIES)
     return [max(2, round(n * args.scale)) for n in base]
@@ -106,18 +128,18 @@ def run_row(row: str, ids: str, args: argparse.Namespace) -> dict:
     """Train one row in this process and return its measurements."""
     torch.manual_seed(0)
     cards = _cardinalities(args)
-    data = _data(ids, cards)
+    data = _data(ids, cards, args.bag)
     held_dense, held_sparse, held_labels = data.batch(args.held_out, seed=HELD_OUT_SEED)
     with torch.device("meta"):
-        dense_params = sum(p.numel() for p in DLRM(cards).parameters())
+        dense_params = sum(p.numel() for p in DLRM(cards, dim=args.dim).parameters())
     before = _status_bytes("VmRSS")
     summary = ""
     if row == "dense":
-        model = DLRM(cards)
+        model = DLRM(cards, dim=args.dim)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     else:
         with torch.device("meta"):  # the dense tables are never allocated
-            model = DLRM(cards)
+            model = DLRM(cards, dim=args.dim)
         # real ids (the caches measure their distribution), dense features on meta
         dense, sparse, _ = data.batch(args.example, seed=HELD_OUT_SEED + 1)
         config = cc.CompressionConfig(
@@ -229,6 +251,10 @@ def main() -> None:
                         help="large4: the four largest Criteo Kaggle tables plus two small "
                         "ones; all: the 26 tables")
     parser.add_argument("--scale", type=float, default=1.0, help="table rows x this factor")
+    parser.add_argument("--cards", help="table rows, comma-separated (instead of --tables)")
+    parser.add_argument("--dim", type=int, default=16, help="embedding dimension")
+    parser.add_argument("--bag", type=int, default=1, help="ids per bag")
+    parser.add_argument("--name", default="dlrm", help="results/<name>.md")
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--warmup", type=int, default=40,
                         help="steps whose ids the caches count before their rows are fixed; "
@@ -245,7 +271,7 @@ def main() -> None:
     parser.add_argument("--exclude", default="bottom.*,top.*",
                         help="layers to keep dense (name patterns; default the MLPs, as TT-Rec "
                         "compresses the tables only)")
-    parser.add_argument("--ids", default="power,uniform")
+    parser.add_argument("--ids", default="power,uniform", help="power, uniform, zipf<a>")
     parser.add_argument("--rows", default="dense,tt,tt+cache",
                         help="rows for every id distribution (dense, tt, tt+cache, tt+cache@S)")
     parser.add_argument("--uniform-extra", default="tt+cache@0.5",
@@ -266,19 +292,22 @@ def main() -> None:
     cards = _cardinalities(args)
     size = ("the four largest Criteo Kaggle tables plus two small ones" if args.tables == "large4"
             else "the 26 Criteo Kaggle tables")
+    if args.cards:
+        size = "tables of " + ", ".join(f"{n:,}" for n in cards) + " rows"
     if args.scale != 1:
         size += f", scaled x{args.scale:g}"
     intro = [
         describe_machine(),
-        f"DLRM: {len(cards)} bags x dim 16, {sum(cards):,} rows ({size}; dense tables "
-        f"{sum(cards) * 16 * 4 / 2**30:.2f} GiB), batch {args.batch}, {args.steps} SGD steps, "
+        f"DLRM: {len(cards)} bags of {args.bag} id(s) x dim {args.dim}, {sum(cards):,} rows "
+        f"({size}; dense tables {sum(cards) * args.dim * 4 / 2**30:.2f} GiB), batch "
+        f"{args.batch}, {args.steps} SGD steps, "
         f"step time over steps {args.warmup + 5}-{args.steps} (the caches fill after "
         f"{args.warmup}), held-out {args.held_out:,}, {args.threads} thread(s), "
         f"{args.rounds} process(es) per row run in turn; SGD at {args.lr:g} (TT cores "
         f"{args.core_lr:g}), tables start at std {args.table_std:g}",
     ]
     for ids in args.ids.split(","):
-        data = _data(ids, cards)
+        data = _data(ids, cards, args.bag)
         hd, hs, hl = data.batch(args.held_out, seed=HELD_OUT_SEED)
         best, ctr = data.logit(hd, hs), hl.mean()
         intro.append(
@@ -306,7 +335,7 @@ def main() -> None:
         body = "\n".join(f"- {line}" for line in intro[1:]) + "\n\n" + "\n".join(table)
         body += "\n\n<details><summary>layers of the cached rows</summary>\n\n```\n"
         body += "\n\n".join(layers) + "\n```\n</details>\n"
-        write_results("dlrm", "DLRM at 99x: dense sparse tables, TT tables, TT tables with "
+        write_results(args.name, "DLRM at 99x: dense sparse tables, TT tables, TT tables with "
                       "the hot-row cache", body)
 
 
