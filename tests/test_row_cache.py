@@ -15,7 +15,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.nn import TTEmbedding
 from comera_compile.nn.row_cache import EMPTY, top_rows
-from comera_compile.passes.row_cache import held_out_hit_rate
+from comera_compile.passes.row_cache import AUTO_SHARE, held_out_hit_rate
 
 
 def _cached_table(mode="sum", cached=(3, 4, 7, 9, 31), **kwargs) -> TTEmbedding:
@@ -184,7 +184,7 @@ def test_the_budget_gives_a_cache_to_skewed_tables_and_none_to_uniform_ones():
         table = skewed.get_submodule(name)
         assert table.cache_rows > 0
         share = table.cache.weight.numel() / sum(p.numel() for p in table.parameters())
-        assert 0.3 < share < 0.7
+        assert abs(share - AUTO_SHARE) < 0.1  # the cores take the rank that fits the rest
         assert "hot-row cache" in cc.summary(skewed).notes[name]
         assert uniform.get_submodule(name).cache_rows == 0
         assert "close to uniform" in cc.summary(uniform).notes[name]
