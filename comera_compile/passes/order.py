@@ -142,21 +142,9 @@ def choose_embedding_order(cand: Candidate, cap: int,
     (each with the default split of the embedding dim, and with the whole dim in the last
     core) at about the parameters the default layout has at rank ``cap``."""
     default_modes = _embedding_layouts(cand, None)[0]
-    default = len(default_modes[0])
     reference = make_spec(cand, TT_EMBEDDING, cap, *default_modes)
-    options = []
-    for order in sorted(set(orders) | {default}):
-        for modes in _embedding_layouts(cand, order):
-            if len(modes[0]) != order:
-                continue
-            if modes != default_modes and make_spec(
-                    cand, TT_EMBEDDING, 1, *modes).params > MAX_FLOOR * cand.dense_params:
-                continue  # it would limit how far a budget can compress the table
-            spec = (reference if modes == default_modes
-                    else _largest_spec(cand, TT_EMBEDDING, *modes, reference.params))
-            if spec is None or spec.params < SIMILAR_PARAMS * reference.params:
-                continue
-            options.append(OrderOption(order, spec, spec.macs_per_row()))
+    orders = tuple(sorted(set(orders) | {len(default_modes[0])}))
+    options = _table_options(cand, reference.params, orders, default=(default_modes, reference))
     best = min(options, key=lambda o: (o.cost, o.spec != reference, o.order))
     runners = {}  # the cheapest other layout of each order
     for o in sorted(options, key=lambda o: -o.cost):
@@ -189,7 +177,7 @@ def reorder_tables(chosen: dict[str, tuple[Candidate, LayerSpec]], keep: set[str
                 or not getattr(cand.module, "sparse", False)):
             continue
         current = spec.macs_per_row()
-        options = _table_options(cand, spec, max_rank)
+        options = _table_options(cand, spec.params, max_rank=max_rank)
         if not options:
             continue
         best = min(options, key=lambda o: (o.cost, o.order))
@@ -204,23 +192,29 @@ def reorder_tables(chosen: dict[str, tuple[Candidate, LayerSpec]], keep: set[str
     return reasons
 
 
-def _table_options(cand: Candidate, spec: LayerSpec,
-                   max_rank: int | None) -> list[OrderOption]:
-    """Every table layout at the largest rank within ``spec``'s parameters (and
-    ``max_rank``) that reaches ``SIMILAR_PARAMS`` of them and is not narrower than
-    ``MAX_FLOOR`` allows."""
+def _table_options(cand: Candidate, params: int, orders: tuple[int, ...] = EMBEDDING_ORDERS,
+                   max_rank: int | None = None,
+                   default: tuple[Any, LayerSpec] | None = None) -> list[OrderOption]:
+    """Each table layout of ``orders`` at the largest rank within ``params`` (and
+    ``max_rank``) that reaches ``SIMILAR_PARAMS`` of them. ``default``: ``(modes, spec)`` of
+    a layout taken as it is; any other must hold under ``MAX_FLOOR`` of the table at rank 1,
+    or it would limit how far a budget can compress the table."""
     options = []
-    for order in EMBEDDING_ORDERS:
+    for order in orders:
         for modes in _embedding_layouts(cand, order):
-            if len(modes[0]) != order or make_spec(
-                    cand, TT_EMBEDDING, 1, *modes).params > MAX_FLOOR * cand.dense_params:
+            if len(modes[0]) != order:
                 continue
-            option = _largest_spec(cand, TT_EMBEDDING, *modes, spec.params)
-            if option is not None and max_rank is not None and max(option.ranks) > max_rank:
-                option = make_spec(cand, TT_EMBEDDING, max_rank, *modes)
-            if option is None or option.params < SIMILAR_PARAMS * spec.params:
+            if default is not None and modes == default[0]:
+                spec = default[1]
+            elif make_spec(cand, TT_EMBEDDING, 1, *modes).params > MAX_FLOOR * cand.dense_params:
                 continue
-            options.append(OrderOption(order, option, option.macs_per_row()))
+            else:
+                spec = _largest_spec(cand, TT_EMBEDDING, *modes, params)
+                if spec is not None and max_rank is not None and max(spec.ranks) > max_rank:
+                    spec = make_spec(cand, TT_EMBEDDING, max_rank, *modes)
+            if spec is None or spec.params < SIMILAR_PARAMS * params:
+                continue
+            options.append(OrderOption(order, spec, spec.macs_per_row()))
     return options
 
 

@@ -170,9 +170,9 @@ def tensorize(model: nn.Module, config: Settings, example_inputs: Any = None,
                 caches = CachePlan({}, {n: "no hot-row cache: the budget cannot spare it"
                                         for n in caches.params})
         break
-    user_set = {o.cand.name for o in options if o.configured}  # recommender tables: at the
-    selection.order_reasons.update(  # parameters they got, the cheapest layout per row
-        reorder_tables(selection.chosen, user_set, max_rank))
+    # recommender tables: the cheapest layout per row at the parameters they were given
+    user_set = {o.cand.name for o in options if o.configured}
+    selection.order_reasons.update(reorder_tables(selection.chosen, user_set, max_rank))
     if layer_format == AUTO and grams:
         configured = check_layer_config(layer_config)
         keep = {o.cand.name for o in options
