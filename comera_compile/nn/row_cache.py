@@ -35,6 +35,29 @@ def top_rows(ids: Tensor, counts: Tensor | None, capacity: int) -> Tensor:
     return distinct.index_select(0, order).sort().values
 
 
+class Interleave(torch.autograd.Function):
+    """``first`` rows at positions ``at_first`` and ``second`` rows at ``at_second`` of one
+    output (positions that partition it), as one node: a cached table's hits and misses put
+    back in their ids' order without a concatenation and a permutation (and their
+    backwards)."""
+
+    @staticmethod
+    def forward(ctx, first: Tensor, at_first: Tensor, second: Tensor,
+                at_second: Tensor) -> Tensor:
+        out = second.new_empty(at_first.numel() + at_second.numel(), second.shape[1])
+        out.index_copy_(0, at_first, first.to(second.dtype))
+        out.index_copy_(0, at_second, second)
+        ctx.save_for_backward(at_first, at_second)
+        ctx.first_dtype = first.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        at_first, at_second = ctx.saved_tensors
+        return (grad.index_select(0, at_first).to(ctx.first_dtype), None,
+                grad.index_select(0, at_second), None)
+
+
 class RowCache(nn.Embedding):
     """The cached rows (``weight``) and the ids they hold (``ids``, sorted, ``EMPTY`` first)."""
 

@@ -30,6 +30,7 @@ from comera_compile.nn.row_cache import (
     DEFAULT_WARMUP,
     EMPTY,
     IdTally,
+    Interleave,
     RowCache,
     split_by_cache,
     top_rows,
@@ -233,8 +234,7 @@ class TTEmbedding(TensorizedLayer):
         """Rows ``(len(ids), embedding_dim)`` for a 1-d id tensor, without the table
         (cached rows from the cache unless ``cores_only``)."""
         if self.cache is not None and not cores_only:
-            table, order = self._rows(ids)
-            return table.index_select(0, order)
+            return self._rows(ids)
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
@@ -249,19 +249,14 @@ class TTEmbedding(TensorizedLayer):
             rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates, sparse)
         return rows[:, : self.embedding_dim]
 
-    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``(rows, order)``: the rows of the distinct ``ids``, and where each id's row sits
-        in them (``None``: in ``ids`` order). A cached table puts its hits first, read from
-        the cache, then its misses, built from the cores; no id reads both."""
+    def _rows(self, ids: Tensor) -> Tensor:
+        """The rows of ``ids``: a cached table's hits read from the cache, its misses built
+        from the cores; no id reads both."""
         if self.cache is None:
-            return self._core_rows(ids).to(self.cores[0].dtype), None
+            return self._core_rows(ids).to(self.cores[0].dtype)
         slots, hits, misses = split_by_cache(self.cache.ids, ids)
-        cached = self.cache(slots)
         built = self._core_rows(ids.index_select(0, misses)).to(self.cores[0].dtype)
-        order = torch.empty_like(ids)
-        order[hits] = torch.arange(hits.numel(), device=ids.device)
-        order[misses] = torch.arange(hits.numel(), ids.numel(), device=ids.device)
-        return torch.cat([cached.to(built.dtype), built]), order
+        return Interleave.apply(self.cache(slots), hits, built, misses)
 
     def forward(self, input: Tensor, offsets: Tensor | None = None,
                 per_sample_weights: Tensor | None = None) -> Tensor:
@@ -292,9 +287,7 @@ class TTEmbedding(TensorizedLayer):
             ids, index = torch.arange(self.num_embeddings, device=flat.device), flat
         else:
             ids, index = flat, None  # each id's own row, in order
-        table, order = self._rows(ids)  # in the cores' dtype, as nn.Embedding in autocast
-        if order is not None:  # a cached table's rows come hits first
-            index = order if index is None else order.index_select(0, index)
+        table = self._rows(ids)  # in the cores' dtype, as nn.Embedding in autocast
         if index is None:
             if self.mode is None:
                 # the rows are the output: no gather, and no index of the ids' count, whose
