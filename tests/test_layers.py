@@ -149,6 +149,30 @@ def test_embedding_rows_match_table(dedup, padding_idx):
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in layer.parameters())
 
 
+def test_a_lookup_dedups_ids_only_where_a_row_is_costly_and_both_give_the_same_bags():
+    """Rank 5 of dim 16 (80 multiply-adds a row): each id's row is built; rank 40 (640):
+    each distinct row once. Either way the bags and the gradients are those of the other."""
+    for rank, dedups in ((5, False), (40, True)):
+        torch.manual_seed(0)
+        auto = TTEmbedding(20000, 16, ranks=rank, row_modes=[200, 100], col_modes=[1, 16],
+                           mode="sum", sparse=True).double()
+        assert auto.dedups is dedups
+        other = TTEmbedding(20000, 16, ranks=rank, row_modes=[200, 100], col_modes=[1, 16],
+                            mode="sum", sparse=True, dedup=not dedups).double()
+        other.load_state_dict(auto.state_dict())
+        random_gates(auto)
+        other.load_state_dict(auto.state_dict())
+        bags = torch.randint(0, 300, (64, 3))  # many repeats
+        weight = torch.randn(64, 16, dtype=torch.float64)
+        outs = [layer(bags) for layer in (auto, other)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+        for out in outs:
+            (out * weight).sum().backward()
+        for a, b in zip(auto.parameters(), other.parameters()):
+            grads = [g.to_dense() if g.is_sparse else g for g in (a.grad, b.grad)]
+            torch.testing.assert_close(*grads, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("dedup", [True, False])
 def test_embedding_bag_matches_dense_bag(mode, dedup):

@@ -36,9 +36,16 @@ from comera_compile.nn.row_cache import (
     top_rows,
 )
 from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
+from comera_compile.planner.embedding import chain_costs
+from comera_compile.planner.gathered import CachedChain
+from comera_compile.planner.lookup import mode_digits
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
+DEDUP_MIN_MACS = 256
+"""Multiply-adds a row must cost to build before a lookup builds each distinct id's row once
+(``TTEmbedding.dedups``): below it, sorting the ids and gathering and scattering their rows
+cost more than building a repeated row again (a recommender table at rank 5 of dim 16)."""
 RECOMPUTED_IDS = 512
 """Ids whose lookup a recomputing backward rebuilds at once (``TTEmbedding.recompute_lookup``)."""
 FILL_CHUNK = 4096
@@ -57,7 +64,7 @@ class TTEmbedding(TensorizedLayer):
     (``chain_cores()`` gives the chain order, ``(r_{k-1}, m_k, n_k, r_k)``).
 
     ``sparse=True`` gives sparse gradients, as it does a dense table: each core's gradient
-    holds only the slices the step's ids read (``planner.lookup.Slices``), so a step's
+    holds only the slices the step's ids read (``planner.gathered``), so a step's
     backward and update cost its ids, not the whole cores. Where a process group is
     initialized (DDP and FSDP2 reduce dense gradients but for ``nn.Embedding``'s own) and in
     compiled lookups they are dense (``sparse_gradients``).
@@ -75,7 +82,8 @@ class TTEmbedding(TensorizedLayer):
     def __init__(self, num_embeddings: int, embedding_dim: int, ranks: int | Sequence[int] = 32,
                  padding_idx: int | None = None, mode: str | None = None,
                  row_modes: Sequence[int] | None = None, col_modes: Sequence[int] | None = None,
-                 order: int | None = None, dedup: bool = True, include_last_offset: bool = False,
+                 order: int | None = None, dedup: bool | None = None,
+                 include_last_offset: bool = False,
                  sparse: bool = False, threshold: float = DEFAULT_THRESHOLD,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  cache_rows: int = 0, cache_warmup: int = DEFAULT_WARMUP) -> None:
@@ -115,6 +123,15 @@ class TTEmbedding(TensorizedLayer):
         cores = list(self.cores) if self.sparse_gradients else []
         cache = [self.cache.weight] if self.cache is not None and self.cache.sparse else []
         return cores + cache
+
+    @property
+    def dedups(self) -> bool:
+        """Whether a lookup builds each distinct id's row once: ``dedup`` where set, else
+        where a row costs more than ``DEDUP_MIN_MACS`` multiply-adds to build."""
+        if self.dedup is not None:
+            return self.dedup
+        macs, _ = chain_costs(self.row_modes, self.col_modes, self.ranks, 1)
+        return macs > DEDUP_MIN_MACS
 
     @property
     def lookup_outgrows_rows(self) -> bool:
@@ -255,8 +272,16 @@ class TTEmbedding(TensorizedLayer):
         if self.cache is None:
             return self._core_rows(ids).to(self.cores[0].dtype)
         slots, hits, misses = split_by_cache(self.cache.ids, ids)
-        built = self._core_rows(ids.index_select(0, misses)).to(self.cores[0].dtype)
-        return Interleave.apply(self.cache(slots), hits, built, misses)
+        if self.recompute_lookup and torch.is_grad_enabled():  # the misses' rows rebuilt
+            built = self._core_rows(ids.index_select(0, misses)).to(self.cores[0].dtype)
+            return Interleave.apply(self.cache(slots), hits, built, misses)
+        # one autograd node for the cache, the chain and the interleaving (planner.gathered)
+        digits = mode_digits(ids.index_select(0, misses), self.row_modes)
+        gates = [hard_threshold(g, self.threshold).to(self.cores[0].dtype) for g in self.gates]
+        return CachedChain.apply(self.sparse_gradients and torch.is_grad_enabled(),
+                                 self.cache.sparse, len(self.cores), self.embedding_dim,
+                                 self.cache.weight, slots, hits, misses, *digits, *self.cores,
+                                 *gates)
 
     def forward(self, input: Tensor, offsets: Tensor | None = None,
                 per_sample_weights: Tensor | None = None) -> Tensor:
@@ -278,9 +303,10 @@ class TTEmbedding(TensorizedLayer):
         if self.cache is not None and self.training and self.cache_warmup and (
                 not self.cache_filled):
             self._count_warmup(flat)
-        if self.dedup and eager:
+        dedup = self.dedups
+        if dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
-        elif self.dedup and isinstance(flat.numel(), int) and self.num_embeddings <= flat.numel():
+        elif dedup and isinstance(flat.numel(), int) and self.num_embeddings <= flat.numel():
             # compiled (no host read for unique): fewer rows than ids, so each row once
             # costs less than each id's row, and backward adds into the table's rows rather
             # than scattering every id's gradient into the few rows of the first core
@@ -295,6 +321,8 @@ class TTEmbedding(TensorizedLayer):
                 if self.padding_idx is not None:  # padding reads zeros, passes no gradient
                     table = table.masked_fill((flat == self.padding_idx).unsqueeze(-1), 0)
                 return table.reshape(*input.shape, self.embedding_dim)
+            if self._plain_bags(input, offsets, per_sample_weights, self.padding_idx):
+                return self._pool_rows(table.view(*input.shape, self.embedding_dim))
             index = torch.arange(flat.numel(), device=flat.device)  # bags gather in order
         padding = None
         if self.padding_idx is not None:  # point padding positions at an extra zero row
@@ -319,8 +347,11 @@ class TTEmbedding(TensorizedLayer):
         """``(bags, ids per bag)`` pooled by a gather and a sum: the gather's backward is an
         ``index_add``, several times cheaper on CPU than ``embedding_bag``'s sorting backward
         (most recommender bags hold one id)."""
-        rows = table.index_select(0, index).view(*shape, self.embedding_dim)
-        if shape[1] == 1:
+        return self._pool_rows(table.index_select(0, index).view(*shape, self.embedding_dim))
+
+    def _pool_rows(self, rows: Tensor) -> Tensor:
+        """``(bags, ids per bag, dim)`` rows summed or averaged per bag."""
+        if rows.shape[1] == 1:
             return rows[:, 0]
         return rows.sum(1) if self.mode == "sum" else rows.mean(1)
 

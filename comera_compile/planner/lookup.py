@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from .gathered import GatheredChain, GatheredContraction
 from .host import host_reads_allowed
 from .network import next_power_of_two
 
@@ -32,7 +32,7 @@ def run_lookup(plan: EmbeddingPlan, ids: Tensor, cores: Sequence[Tensor],
                gates: Sequence[Tensor] | None = None, sparse: bool = False) -> Tensor:
     """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``, run as ``plan``,
     from slices-first ``cores``. ``sparse``: the cores' gradients are sparse, the slices the
-    ids read (:class:`Slices`); the chain then runs per core whatever the plan's split, as a
+    ids read (:mod:`.gathered`); the chain then runs per core whatever the plan's split, as a
     merged half's gradient would be the whole half."""
     if ids.dim() != 1:
         raise ValueError(f"lookup expects 1-d ids, got shape {tuple(ids.shape)}")
@@ -78,12 +78,8 @@ def chain_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
                  col_modes: Sequence[int], gates: Sequence[Tensor] | None = None,
                  sparse: bool = False) -> Tensor:
     """Contract the chain per row: gather the first core's slice, then one core at a time
-    (``sparse``: gathered, with sparse core gradients, :class:`Slices`)."""
-    digits, rest = [], ids
-    for size in reversed(row_modes):  # mixed radix, first mode most significant
-        digits.append(torch.remainder(rest, size))
-        rest = torch.div(rest, size, rounding_mode="floor")
-    digits.reverse()
+    (``sparse``: gathered, with sparse core gradients, :mod:`.gathered`)."""
+    digits = mode_digits(ids, row_modes)
     rows = ids.shape[0]
     eager = host_reads_allowed()  # the bucketed contraction reads a depth
     if sparse or not eager:  # every core gathered: one autograd node
@@ -96,6 +92,17 @@ def chain_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
             acc = acc * gates[k - 1].to(acc.dtype)
         acc = _faster_contraction(acc, cores[k], digits[k])(acc, cores[k], digits[k])
     return acc.reshape(rows, math.prod(col_modes))
+
+
+def mode_digits(ids: Tensor, row_modes: Sequence[int]) -> list[Tensor]:
+    """Each id's index in every row mode (mixed radix, the first mode most significant)."""
+    digits, rest = [], ids
+    for size in reversed(row_modes[1:]):
+        digits.append(torch.remainder(rest, size))
+        rest = torch.div(rest, size, rounding_mode="floor")
+    digits.append(rest)  # ids lie below prod(row_modes)
+    digits.reverse()
+    return digits
 
 
 CLEAR_WIN = 4.0
@@ -152,149 +159,9 @@ def _intercepted() -> bool:
     return hooked or _get_current_dispatch_mode() is not None
 
 
-class Slices(torch.autograd.Function):
-    """``core.index_select(0, index)`` of a slices-first core, with a sparse gradient: the
-    slices read, as ``nn.Embedding(sparse=True)`` gives its rows. A dense gradient is the
-    whole core, zero-filled and then added to the core by the optimizer each step however
-    few ids the step read; this one costs what the ids read."""
-
-    @staticmethod
-    def forward(ctx, core: Tensor, index: Tensor) -> Tensor:
-        ctx.save_for_backward(index)
-        ctx.core_shape = core.shape
-        return core.index_select(0, index)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor):
-        (index,) = ctx.saved_tensors
-        return torch.sparse_coo_tensor(index.unsqueeze(0), grad, ctx.core_shape,
-                                       check_invariants=False), None
-
-
-def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor, sparse: bool = False) -> Tensor:
+def _contract_gathered(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:
     """``acc (b, w, r)`` times each row's slice ``core[digit]`` -> ``(b, w * n, r')``."""
-    return GatheredContraction.apply(acc, core, digit, sparse)
-
-
-SMALL_BOND = 16
-"""Bond size up to which a one-row contraction runs as a broadcast multiply and a sum: a
-batched matmul of many tiny matrices costs more per matrix than its arithmetic."""
-
-
-def _times_slices(acc: Tensor, g: Tensor) -> Tensor:
-    """``acc (b, w, r)`` times ``g (b, r, n r')`` per row -> ``(b, w, n r')``."""
-    rows, width, rank = acc.shape
-    if width == 1 and rank <= SMALL_BOND:
-        return (acc.view(rows, rank, 1) * g).sum(1, keepdim=True)
-    return torch.bmm(acc, g)
-
-
-def _back_through_slices(grad: Tensor, g: Tensor, width: int) -> Tensor:
-    """The gradient of :func:`_times_slices` for its ``acc``: ``grad g^T`` -> ``(b, w, r)``."""
-    rows, rank = g.shape[0], g.shape[1]
-    if width == 1 and rank <= SMALL_BOND:
-        return (g * grad).sum(2).view(rows, 1, rank)
-    return torch.bmm(grad, g.transpose(1, 2))
-
-
-def _slices_gradient(acc: Tensor, grad: Tensor) -> Tensor:
-    """The gradient of :func:`_times_slices` for its slices: ``acc^T grad``, an outer product
-    per row where ``w == 1`` (a multiply runs it several times faster than a batched matmul)."""
-    rows, width, rank = acc.shape
-    if width == 1:
-        return acc.view(rows, rank, 1) * grad
-    return torch.bmm(acc.transpose(1, 2), grad)
-
-
-def _core_gradient(slices: Tensor, digit: Tensor, shape: torch.Size, sparse: bool) -> Tensor:
-    """A core's gradient from each row's slice gradient: sparse (the slices read) or dense."""
-    slices = slices.reshape(slices.shape[0], *shape[1:])
-    if sparse:
-        return torch.sparse_coo_tensor(digit.unsqueeze(0), slices, shape, check_invariants=False)
-    return slices.new_zeros(shape).index_add_(0, digit, slices)
-
-
-class GatheredContraction(torch.autograd.Function):
-    """``acc (b, w, r)`` times each row's slice ``core[digit]`` as one autograd node, its
-    backward written out (:func:`_slices_gradient`), the core's gradient sparse or dense."""
-
-    @staticmethod
-    def forward(ctx, acc: Tensor, core: Tensor, digit: Tensor, sparse: bool) -> Tensor:
-        rows, width, _ = acc.shape
-        _, r, n, r_next = core.shape
-        g = core.index_select(0, digit).view(rows, r, n * r_next)  # sizes spelled: rows may be 0
-        ctx.save_for_backward(acc, g, digit)
-        ctx.core_shape, ctx.sparse = core.shape, sparse
-        return _times_slices(acc, g).view(rows, width * n, r_next)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor):
-        acc, g, digit = ctx.saved_tensors
-        rows, width, _ = acc.shape
-        grad = grad.reshape(rows, width, g.shape[2])
-        grad_acc = grad_core = None
-        if ctx.needs_input_grad[0]:
-            grad_acc = _back_through_slices(grad, g, width)
-        if ctx.needs_input_grad[1]:
-            grad_core = _core_gradient(_slices_gradient(acc, grad), digit, ctx.core_shape,
-                                       ctx.sparse)
-        return grad_acc, grad_core, None, None
-
-
-class GatheredChain(torch.autograd.Function):
-    """A whole per-row chain (``apply(sparse, d, *digits, *cores, *gates)``, ``d`` cores,
-    ``d - 1`` gates or none) as one autograd node: a recommender's lookup is a dozen tiny
-    ops on a few thousand ids, and an autograd node per op costs as much as the op. It saves
-    what the ops would (each step's input and gathered slices) and runs backward by hand."""
-
-    @staticmethod
-    def forward(ctx, sparse: bool, order: int, *tensors: Tensor) -> Tensor:
-        digits, cores, gates = tensors[:order], tensors[order:2 * order], tensors[2 * order:]
-        rows = digits[0].shape[0]
-        first = cores[0]
-        acc = first.index_select(0, digits[0]).view(rows, first.shape[2], first.shape[3])
-        saved = []
-        for k in range(1, order):
-            plain = acc
-            if gates:  # scale the bond between cores k-1 and k
-                acc = acc * gates[k - 1]
-            _, r, n, r_next = cores[k].shape
-            g = cores[k].index_select(0, digits[k]).view(rows, r, n * r_next)
-            saved += [plain, acc, g]
-            acc = _times_slices(acc, g).view(rows, acc.shape[1] * n, r_next)
-        ctx.save_for_backward(*digits, *gates, *saved)
-        ctx.order, ctx.sparse = order, sparse
-        ctx.core_shapes = [c.shape for c in cores]
-        return acc
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor):
-        order, shapes, wants = ctx.order, ctx.core_shapes, ctx.needs_input_grad[2:]
-        tensors = ctx.saved_tensors
-        digits, rest = tensors[:order], tensors[order:]
-        gates = rest[:order - 1] if len(rest) > 3 * (order - 1) else ()
-        saved = rest[len(gates):]
-        grad_cores: list[Tensor | None] = [None] * order
-        grad_gates: list[Tensor | None] = [None] * len(gates)
-        rows = digits[0].shape[0]
-        for k in range(order - 1, 0, -1):
-            plain, acc, g = saved[3 * (k - 1):3 * k]
-            width = acc.shape[1]
-            grad = grad.reshape(rows, width, g.shape[2])
-            if wants[order + k]:
-                grad_cores[k] = _core_gradient(_slices_gradient(acc, grad), digits[k],
-                                               shapes[k], ctx.sparse)
-            grad = _back_through_slices(grad, g, width)  # (b, w, r)
-            if gates:
-                if wants[2 * order + k - 1]:
-                    grad_gates[k - 1] = (grad * plain).sum((0, 1))
-                grad = grad * gates[k - 1]
-        if wants[order]:
-            grad_cores[0] = _core_gradient(grad, digits[0], shapes[0], ctx.sparse)
-        return None, None, *([None] * order), *grad_cores, *grad_gates
+    return GatheredContraction.apply(acc, core, digit, False)
 
 
 def _contract_bucketed(acc: Tensor, core: Tensor, digit: Tensor) -> Tensor:

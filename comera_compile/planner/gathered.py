@@ -1,0 +1,203 @@
+"""A TT lookup's gathered contractions as single autograd nodes, their backwards written out.
+
+A recommender's lookup is a dozen tiny ops on a few thousand ids; an autograd node per op
+costs about what the op does, and a batched matmul of ``(1, r) x (r, n)`` matrices costs more
+per matrix than its arithmetic. So the chain runs as one node (:class:`GatheredChain`), a
+cached table's lookup as one more (:class:`CachedChain`), rank-one products as multiplies,
+and each core's gradient comes straight from its slices' gradients: sparse (the slices the
+ids read, as ``nn.Embedding(sparse=True)`` gives its rows) or added into a zero core.
+Cores are slices first, ``(m_k, r_{k-1}, n_k, r_k)``; ``digits[k]`` picks each row's slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+SMALL_BOND = 16
+"""Bond size up to which a one-row contraction runs as a broadcast multiply and a sum: a
+batched matmul of many tiny matrices costs more per matrix than its arithmetic."""
+
+
+def _times_slices(acc: Tensor, g: Tensor) -> Tensor:
+    """``acc (b, w, r)`` times ``g (b, r, n r')`` per row -> ``(b, w, n r')``."""
+    rows, width, rank = acc.shape
+    if width == 1 and rank <= SMALL_BOND:
+        return (acc.view(rows, rank, 1) * g).sum(1, keepdim=True)
+    return torch.bmm(acc, g)
+
+
+def _back_through_slices(grad: Tensor, g: Tensor, width: int) -> Tensor:
+    """The gradient of :func:`_times_slices` for its ``acc``: ``grad g^T`` -> ``(b, w, r)``."""
+    rows, rank = g.shape[0], g.shape[1]
+    if width == 1 and rank <= SMALL_BOND:
+        return (g * grad).sum(2).view(rows, 1, rank)
+    return torch.bmm(grad, g.transpose(1, 2))
+
+
+def _slices_gradient(acc: Tensor, grad: Tensor) -> Tensor:
+    """The gradient of :func:`_times_slices` for its slices: ``acc^T grad``, an outer product
+    per row where ``w == 1`` (a multiply runs it several times faster than a batched matmul)."""
+    rows, width, rank = acc.shape
+    if width == 1:
+        return acc.view(rows, rank, 1) * grad
+    return torch.bmm(acc.transpose(1, 2), grad)
+
+
+def rows_gradient(rows: Tensor, index: Tensor, shape: Sequence[int], sparse: bool) -> Tensor:
+    """The gradient of a ``shape`` parameter whose ``index`` rows got ``rows``: sparse (the
+    rows read, repeats summed when coalesced) or dense."""
+    rows = rows.reshape(rows.shape[0], *shape[1:])
+    if sparse:
+        return torch.sparse_coo_tensor(index.unsqueeze(0), rows, tuple(shape),
+                                       check_invariants=False)
+    return rows.new_zeros(shape).index_add_(0, index, rows)
+
+
+def chain_forward(digits: Sequence[Tensor], cores: Sequence[Tensor],
+                  gates: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """Rows ``(b, prod(n), 1)`` of the chain for each row's ``digits``, and what
+    :func:`chain_backward` needs (each step's input, gated input and gathered slices)."""
+    rows = digits[0].shape[0]
+    first = cores[0]
+    acc = first.index_select(0, digits[0]).view(rows, first.shape[2], first.shape[3])
+    saved = []
+    for k in range(1, len(cores)):
+        plain = acc
+        if gates:  # scale the bond between cores k-1 and k
+            acc = acc * gates[k - 1]
+        _, r, n, r_next = cores[k].shape
+        g = cores[k].index_select(0, digits[k]).view(rows, r, n * r_next)
+        saved += [plain, acc, g]
+        acc = _times_slices(acc, g).view(rows, acc.shape[1] * n, r_next)
+    return acc, saved
+
+
+def chain_backward(grad: Tensor, digits: Sequence[Tensor], shapes: Sequence[torch.Size],
+                   gates: Sequence[Tensor], saved: Sequence[Tensor], wants: Sequence[bool],
+                   sparse: bool) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    """Gradients of the cores and gates (``wants``: cores', then gates' flags) for ``grad``
+    of :func:`chain_forward`'s rows."""
+    order, rows = len(shapes), digits[0].shape[0]
+    grad_cores: list[Tensor | None] = [None] * order
+    grad_gates: list[Tensor | None] = [None] * len(gates)
+    for k in range(order - 1, 0, -1):
+        plain, acc, g = saved[3 * (k - 1):3 * k]
+        width = acc.shape[1]
+        grad = grad.reshape(rows, width, g.shape[2])
+        if wants[k]:
+            grad_cores[k] = rows_gradient(_slices_gradient(acc, grad), digits[k], shapes[k],
+                                          sparse)
+        grad = _back_through_slices(grad, g, width)  # (b, w, r)
+        if gates:
+            if wants[order + k - 1]:
+                grad_gates[k - 1] = (grad * plain).sum((0, 1))
+            grad = grad * gates[k - 1]
+    if wants[0]:
+        grad_cores[0] = rows_gradient(grad, digits[0], shapes[0], sparse)
+    return grad_cores, grad_gates
+
+
+def _split(tensors: Sequence[Tensor], order: int) -> tuple:
+    """``(digits, cores, gates)`` of ``*digits, *cores, *gates`` (``order`` cores)."""
+    return tensors[:order], tensors[order:2 * order], tensors[2 * order:]
+
+
+class GatheredChain(torch.autograd.Function):
+    """The chain of ``apply(sparse, d, *digits, *cores, *gates)`` (``d`` cores, ``d - 1``
+    gates or none) per row, as one node: rows ``(b, prod(n), 1)``."""
+
+    @staticmethod
+    def forward(ctx, sparse: bool, order: int, *tensors: Tensor) -> Tensor:
+        digits, cores, gates = _split(tensors, order)
+        out, saved = chain_forward(digits, cores, gates)
+        ctx.save_for_backward(*digits, *gates, *saved)
+        ctx.order, ctx.gated, ctx.sparse = order, bool(gates), sparse
+        ctx.shapes = [c.shape for c in cores]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        order, tensors = ctx.order, ctx.saved_tensors
+        gated = order - 1 if ctx.gated else 0
+        digits, gates, saved = tensors[:order], tensors[order:order + gated], tensors[
+            order + gated:]
+        cores, gates_grad = chain_backward(grad, digits, ctx.shapes, gates, saved,
+                                           ctx.needs_input_grad[2 + order:], ctx.sparse)
+        return None, None, *([None] * order), *cores, *gates_grad
+
+
+class CachedChain(torch.autograd.Function):
+    """A cached table's rows, as one node: ``apply(sparse, cache_sparse, d, width, weight,
+    slots, hits, misses, *digits, *cores, *gates)``. Rows at ``hits`` are the cache's
+    ``weight[slots]``; rows at ``misses`` come from the chain for ``digits`` (the misses'
+    ids), cut to ``width`` columns. No row reads both."""
+
+    @staticmethod
+    def forward(ctx, sparse: bool, cache_sparse: bool, order: int, width: int, weight: Tensor,
+                slots: Tensor, hits: Tensor, misses: Tensor, *tensors: Tensor) -> Tensor:
+        digits, cores, gates = _split(tensors, order)
+        built, saved = chain_forward(digits, cores, gates)
+        out = built.new_empty(hits.numel() + misses.numel(), width)
+        out.index_copy_(0, hits, weight.index_select(0, slots).to(out.dtype))
+        flat = built.view(built.shape[0], built.shape[1] * built.shape[2])  # rows may be 0
+        out.index_copy_(0, misses, flat[:, :width])
+        ctx.save_for_backward(slots, hits, misses, *digits, *gates, *saved)
+        ctx.order, ctx.gated, ctx.sparse, ctx.cache_sparse = order, bool(gates), sparse, (
+            cache_sparse)
+        ctx.shapes, ctx.weight = [c.shape for c in cores], (weight.shape, weight.dtype)
+        ctx.built_width = built.shape[1] * built.shape[2]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        order, tensors = ctx.order, ctx.saved_tensors
+        gated = order - 1 if ctx.gated else 0
+        slots, hits, misses = tensors[:3]
+        digits = tensors[3:3 + order]
+        gates, saved = tensors[3 + order:3 + order + gated], tensors[3 + order + gated:]
+        grad_weight = None
+        if ctx.needs_input_grad[4]:
+            shape, dtype = ctx.weight
+            grad_weight = rows_gradient(grad.index_select(0, hits).to(dtype), slots, shape,
+                                        ctx.cache_sparse)
+        missed = grad.index_select(0, misses)
+        if missed.shape[1] < ctx.built_width:  # the chain's padded columns get no gradient
+            missed = torch.nn.functional.pad(missed, (0, ctx.built_width - missed.shape[1]))
+        cores, gates_grad = chain_backward(missed, digits, ctx.shapes, gates, saved,
+                                           ctx.needs_input_grad[8 + order:], ctx.sparse)
+        return (None, None, None, None, grad_weight, None, None, None, *([None] * order),
+                *cores, *gates_grad)
+
+
+class GatheredContraction(torch.autograd.Function):
+    """``acc (b, w, r)`` times each row's slice ``core[digit]`` as one node: one step of the
+    chain, for the per-core choice between gathering and bucketing."""
+
+    @staticmethod
+    def forward(ctx, acc: Tensor, core: Tensor, digit: Tensor, sparse: bool) -> Tensor:
+        rows, width, _ = acc.shape
+        _, r, n, r_next = core.shape
+        g = core.index_select(0, digit).view(rows, r, n * r_next)  # sizes spelled: rows may be 0
+        ctx.save_for_backward(acc, g, digit)
+        ctx.core_shape, ctx.sparse = core.shape, sparse
+        return _times_slices(acc, g).view(rows, width * n, r_next)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        acc, g, digit = ctx.saved_tensors
+        rows, width, _ = acc.shape
+        grad = grad.reshape(rows, width, g.shape[2])
+        grad_acc = grad_core = None
+        if ctx.needs_input_grad[0]:
+            grad_acc = _back_through_slices(grad, g, width)
+        if ctx.needs_input_grad[1]:
+            grad_core = rows_gradient(_slices_gradient(acc, grad), digit, ctx.core_shape,
+                                      ctx.sparse)
+        return grad_acc, grad_core, None, None
