@@ -105,6 +105,7 @@ class TTEmbedding(TensorizedLayer):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.row_modes, self.col_modes = chain.first, chain.second
         self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
+        self._dedup_at: tuple[tuple[int, ...] | None, bool] = (None, True)
         self.include_last_offset, self.declared_sparse = bool(include_last_offset), bool(sparse)
         self.cache: RowCache | None = None
         self.cache_rows, self._tally, self._cache_filled = 0, IdTally(), False
@@ -130,8 +131,11 @@ class TTEmbedding(TensorizedLayer):
         where a row costs more than ``DEDUP_MIN_MACS`` multiply-adds to build."""
         if self.dedup is not None:
             return self.dedup
-        macs, _ = chain_costs(self.row_modes, self.col_modes, self.ranks, 1)
-        return macs > DEDUP_MIN_MACS
+        ranks = tuple(self.ranks)  # pruning shrinks them
+        if getattr(self, "_dedup_at", (None,))[0] != ranks:
+            macs, _ = chain_costs(self.row_modes, self.col_modes, ranks, 1)
+            self._dedup_at = (ranks, macs > DEDUP_MIN_MACS)
+        return self._dedup_at[1]
 
     @property
     def lookup_outgrows_rows(self) -> bool:
@@ -352,7 +356,7 @@ class TTEmbedding(TensorizedLayer):
     def _pool_rows(self, rows: Tensor) -> Tensor:
         """``(bags, ids per bag, dim)`` rows summed or averaged per bag."""
         if rows.shape[1] == 1:
-            return rows[:, 0]
+            return rows.squeeze(1)  # a view both ways (a select's backward fills zeros)
         return rows.sum(1) if self.mode == "sum" else rows.mean(1)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
