@@ -2,6 +2,7 @@
 the faster of the two where they are close (timed once per shape), the one that moves far
 fewer elements where they are not, and no trial under a caller's saved-tensor hooks."""
 
+import pytest
 import torch
 
 from comera_compile.planner import lookup
@@ -96,3 +97,31 @@ def test_sparse_core_gradients_equal_the_dense_ones_and_hold_only_the_slices_rea
             assert grad.is_sparse
             assert sorted(grad.coalesce().indices()[0].tolist()) == sorted(set(digit.tolist()))
             torch.testing.assert_close(grad.to_dense(), want[k])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_lookup_under_autocast_computes_in_its_cores_dtype_both_ways(sparse):
+    """The gathered nodes run with autocast off (rows in the cores' dtype, as nn.Embedding
+    gives them), forward and backward, whether backward runs inside the autocast or not."""
+    from comera_compile.nn import TTEmbedding
+
+    torch.manual_seed(0)
+    layer = TTEmbedding(600, 32, ranks=24, row_modes=[30, 20], col_modes=[4, 8], mode="sum",
+                        sparse=sparse, dedup=False)
+    ids = torch.randint(0, 600, (64, 3))
+    want = layer(ids)
+    grads = torch.autograd.grad(want.square().sum(), list(layer.cores))
+    for inside in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = layer(ids)
+            loss = got.square().sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want)
+        for core, grad in zip(layer.cores, grads):
+            dense = [g.to_dense() if g.is_sparse else g for g in (core.grad, grad)]
+            torch.testing.assert_close(*dense)
+            core.grad = None

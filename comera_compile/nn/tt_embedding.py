@@ -132,6 +132,8 @@ class TTEmbedding(TensorizedLayer):
         if self.dedup is not None:
             return self.dedup
         ranks = tuple(self.ranks)  # pruning shrinks them
+        if torch.compiler.is_compiling():  # traced once: no attribute written in a graph
+            return chain_costs(self.row_modes, self.col_modes, ranks, 1)[0] > DEDUP_MIN_MACS
         if getattr(self, "_dedup_at", (None,))[0] != ranks:
             macs, _ = chain_costs(self.row_modes, self.col_modes, ranks, 1)
             self._dedup_at = (ranks, macs > DEDUP_MIN_MACS)

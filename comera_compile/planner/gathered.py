@@ -11,6 +11,8 @@ Cores are slices first, ``(m_k, r_{k-1}, n_k, r_k)``; ``digits[k]`` picks each r
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +22,26 @@ from torch.autograd.function import once_differentiable
 SMALL_BOND = 16
 """Bond size up to which a one-row contraction runs as a broadcast multiply and a sum: a
 batched matmul of many tiny matrices costs more per matrix than its arithmetic."""
+
+
+@functools.cache
+def _autocast_devices() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _without_autocast(fn):
+    """Run a node's forward or backward with autocast off: the lookup computes in its cores'
+    dtype (as ``nn.Embedding`` does under autocast), its backward in the dtypes forward
+    saved, whichever autocast context the caller runs ``backward`` in."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for device in _autocast_devices():
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _times_slices(acc: Tensor, g: Tensor) -> Tensor:
@@ -111,6 +133,7 @@ class GatheredChain(torch.autograd.Function):
     gates or none) per row, as one node: rows ``(b, prod(n), 1)``."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, sparse: bool, order: int, *tensors: Tensor) -> Tensor:
         digits, cores, gates = _split(tensors, order)
         out, saved = chain_forward(digits, cores, gates)
@@ -121,6 +144,7 @@ class GatheredChain(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_without_autocast
     def backward(ctx, grad: Tensor):
         order, tensors = ctx.order, ctx.saved_tensors
         gated = order - 1 if ctx.gated else 0
@@ -138,6 +162,7 @@ class CachedChain(torch.autograd.Function):
     ids), cut to ``width`` columns. No row reads both."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, sparse: bool, cache_sparse: bool, order: int, width: int, weight: Tensor,
                 slots: Tensor, hits: Tensor, misses: Tensor, *tensors: Tensor) -> Tensor:
         digits, cores, gates = _split(tensors, order)
@@ -155,6 +180,7 @@ class CachedChain(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_without_autocast
     def backward(ctx, grad: Tensor):
         order, tensors = ctx.order, ctx.saved_tensors
         gated = order - 1 if ctx.gated else 0
@@ -180,6 +206,7 @@ class GatheredContraction(torch.autograd.Function):
     chain, for the per-core choice between gathering and bucketing."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, acc: Tensor, core: Tensor, digit: Tensor, sparse: bool) -> Tensor:
         rows, width, _ = acc.shape
         _, r, n, r_next = core.shape
@@ -190,6 +217,7 @@ class GatheredContraction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_without_autocast
     def backward(ctx, grad: Tensor):
         acc, g, digit = ctx.saved_tensors
         rows, width, _ = acc.shape
