@@ -149,6 +149,33 @@ def test_embedding_rows_match_table(dedup, padding_idx):
         assert all(p.grad is None or p.grad.abs().max() == 0 for p in layer.parameters())
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("last", [False, True])
+def test_bags_by_offsets_pool_as_embedding_bag_does_with_the_same_gradients(mode, dedup, last):
+    """Bags of several ids, empty ones and one id each, ``include_last_offset`` or not: the
+    bags and the cores' gradients equal ``F.embedding_bag`` on the dense table's."""
+    torch.manual_seed(0)
+    layer = TTEmbedding(500, 16, ranks=5, mode=mode, dedup=dedup,
+                        include_last_offset=last).double()
+    random_gates(layer)
+    ids = torch.tensor([4, 2, 4, 9, 499, 0, 2, 7])
+    for offsets in (torch.tensor([0, 3, 3, 6]), torch.arange(8)):
+        if last:
+            offsets = torch.cat([offsets, torch.tensor([8])])
+        table = layer.to_dense()
+        want = F.embedding_bag(ids, table, offsets, mode=mode, include_last_offset=last)
+        got = layer(ids, offsets)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        weight = torch.randn_like(got)
+        grads = torch.autograd.grad((got * weight).sum(), list(layer.cores))
+        wanted = torch.autograd.grad((F.embedding_bag(ids, layer.to_dense(), offsets, mode=mode,
+                                                      include_last_offset=last) * weight).sum(),
+                                     list(layer.cores))
+        for a, b in zip(grads, wanted):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 def test_a_lookup_dedups_ids_only_where_a_row_is_costly_and_both_give_the_same_bags():
     """Rank 5 of dim 16 (80 multiply-adds a row): each id's row is built; rank 40 (640):
     each distinct row once. Either way the bags and the gradients are those of the other."""

@@ -329,6 +329,8 @@ class TTEmbedding(TensorizedLayer):
                 return table.reshape(*input.shape, self.embedding_dim)
             if self._plain_bags(input, offsets, per_sample_weights, self.padding_idx):
                 return self._pool_rows(table.view(*input.shape, self.embedding_dim))
+            if self._offset_bags(input, offsets, per_sample_weights, self.padding_idx):
+                return self._pool_offset_bags(table, offsets)
             index = torch.arange(flat.numel(), device=flat.device)  # bags gather in order
         padding = None
         if self.padding_idx is not None:  # point padding positions at an extra zero row
@@ -339,6 +341,8 @@ class TTEmbedding(TensorizedLayer):
             return F.embedding(index, table).reshape(*input.shape, self.embedding_dim)
         if self._plain_bags(input, offsets, per_sample_weights, padding):
             return self._pool_fixed_bags(index, table, input.shape)
+        if self._offset_bags(input, offsets, per_sample_weights, padding):
+            return self._pool_offset_bags(table.index_select(0, index), offsets)
         return F.embedding_bag(index.reshape(input.shape), table, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights,
                                include_last_offset=self.include_last_offset, padding_idx=padding)
@@ -348,6 +352,34 @@ class TTEmbedding(TensorizedLayer):
         """Fixed-size bags summed or averaged, nothing masked or weighted."""
         return (input.dim() == 2 and offsets is None and weights is None and padding is None
                 and self.mode in ("sum", "mean"))
+
+    def _offset_bags(self, input: Tensor, offsets: Tensor | None, weights: Tensor | None,
+                     padding: int | None) -> bool:
+        """1-d ids in bags by ``offsets`` that start at 0, summed or averaged, nothing masked
+        or weighted, run eagerly (other offsets get ``F.embedding_bag``'s checks)."""
+        return (input.dim() == 1 and offsets is not None and offsets.dim() == 1
+                and weights is None and padding is None and self.mode in ("sum", "mean")
+                and offsets.numel() > int(self.include_last_offset)
+                and host_reads_allowed() and int(offsets[0]) == 0)
+
+    def _pool_offset_bags(self, rows: Tensor, offsets: Tensor) -> Tensor:
+        """Rows in ids order pooled per bag by an ``index_add``: its backward is a gather,
+        where ``embedding_bag``'s sorts the ids (DLRM's reference calls its tables so)."""
+        count = rows.shape[0]
+        offsets = offsets.long()
+        if offsets.numel() == count + int(self.include_last_offset) and torch.equal(
+                offsets, torch.arange(offsets.numel(), device=offsets.device)):
+            return rows  # one id per bag (a click log's usual feature): the rows are the bags
+        if self.include_last_offset:
+            lengths = torch.diff(offsets)
+        else:
+            lengths = torch.diff(offsets, append=offsets.new_full((1,), count))
+        bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device),
+                                       lengths, output_size=count)
+        pooled = rows.new_zeros(lengths.numel(), rows.shape[1]).index_add(0, bags, rows)
+        if self.mode == "mean":
+            pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+        return pooled
 
     def _pool_fixed_bags(self, index: Tensor, table: Tensor, shape: torch.Size) -> Tensor:
         """``(bags, ids per bag)`` pooled by a gather and a sum: the gather's backward is an

@@ -36,8 +36,11 @@ def _without_autocast(fn):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        casting = [d for d in _autocast_devices() if torch.is_autocast_enabled(d)]
+        if not casting:
+            return fn(*args, **kwargs)
         with contextlib.ExitStack() as stack:
-            for device in _autocast_devices():
+            for device in casting:
                 stack.enter_context(torch.autocast(device, enabled=False))
             return fn(*args, **kwargs)
 
