@@ -419,7 +419,7 @@ class TTEmbedding(TensorizedLayer):
             inside = torch.logical_and(flat >= 0, flat < self.num_embeddings).all()
             torch._assert_async(inside, f"TTEmbedding ids must lie in [0, {self.num_embeddings})")
             return
-        low, high = (int(v) for v in torch.stack(torch.aminmax(flat)).tolist())
+        low, high = (int(v) for v in torch.aminmax(flat))
         if low < 0 or high >= self.num_embeddings:
             raise IndexError(f"ids must lie in [0, {self.num_embeddings}), got [{low}, {high}]")
 
