@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dlrm_model import DLRM, Adagrad, SyntheticClicks, auc, log_loss
 
 import comera_compile as cc
-from comera_compile.nn import TTEmbedding, TTLinear
+from comera_compile.nn import TTEmbedding, TTLinear, tt_embedding
 
 CARDS = (30_000, 5000, 40, 7)
 
@@ -66,6 +66,7 @@ def test_dlrm_built_on_meta_compresses_and_trains_with_adagrad(monkeypatch, smal
     (fused over dense gradients and small sparse tables densified, plain over larger sparse
     tables left dense) lowers the loss exactly as torch's own Adagrad does."""
     monkeypatch.setattr(Adagrad, "SMALL_TABLE", small_table)
+    monkeypatch.setattr(tt_embedding, "SPARSE_CORE_MIN", 0)  # these small cores sparse too
     torch.manual_seed(0)
     data = SyntheticClicks(CARDS)
     with torch.device("meta"):

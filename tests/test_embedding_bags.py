@@ -17,7 +17,7 @@ from torch import nn
 
 import comera_compile as cc
 import comera_compile.compile  # noqa: F401  (the lookup as one op under torch.compile)
-from comera_compile.nn import TTEmbedding
+from comera_compile.nn import TTEmbedding, tt_embedding
 from comera_compile.planner.embedding import CHAIN
 from tests.models import dlrm_batch, small_dlrm
 
@@ -174,9 +174,10 @@ def _sparse_dlrm():
     return small_dlrm((20_000, 1000, 500), dim=16, sparse=True)
 
 
-def test_sparse_tables_are_tensorized_with_sparse_core_grads():
+def test_sparse_tables_are_tensorized_with_sparse_core_grads(monkeypatch):
     """A table declared sparse=True keeps sparse gradients: each core's holds only the
     slices the step read, equal to the dense gradient there, and Adagrad trains on them."""
+    monkeypatch.setattr(tt_embedding, "SPARSE_CORE_MIN", 0)  # these small cores sparse too
     model = _sparse_dlrm()
     batch = dlrm_batch(model, batch=16)
     dense_out = model(*batch)
@@ -209,6 +210,26 @@ def test_sparse_tables_are_tensorized_with_sparse_core_grads():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_a_sparse_tables_small_cores_get_dense_gradients_and_its_large_ones_sparse():
+    """Below SPARSE_CORE_MIN entries a core's gradient is dense (updated whole for less than
+    a sparse one's per-slice updates); both equal the gradients of a dense-gradient twin."""
+    torch.manual_seed(0)
+    layer = TTEmbedding(200_000, 16, ranks=5, row_modes=[50, 4000], col_modes=[1, 16],
+                        mode="sum", sparse=True).double()
+    twin = copy.deepcopy(layer)
+    twin.declared_sparse = False
+    assert layer.sparse_cores() == (False, True)  # 250 entries; 320,000
+    assert layer.sparse_parameters() == [layer.cores[1]]
+    bags = torch.randint(0, 200_000, (32, 2))
+    weight = torch.randn(32, 16, dtype=torch.float64)
+    for m in (layer, twin):
+        (m(bags) * weight).sum().backward()
+    assert not layer.cores[0].grad.is_sparse and layer.cores[1].grad.is_sparse
+    for got, want in zip(layer.cores, twin.cores, strict=True):
+        grad = got.grad.to_dense() if got.grad.is_sparse else got.grad
+        torch.testing.assert_close(grad, want.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_sparse_adam_on_tt_cores_names_the_fix():

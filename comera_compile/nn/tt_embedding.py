@@ -42,6 +42,10 @@ from comera_compile.planner.lookup import mode_digits
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
+SPARSE_CORE_MIN = 1 << 16
+"""Entries a core of a ``sparse=True`` table must hold for a sparse gradient. A smaller core
+(a rank-5 table's first core: 3k slices of 5) is zeroed, added into and updated whole for
+less than a sparse gradient's update costs, an ``axpy`` call per slice read."""
 DEDUP_MIN_MACS = 256
 """Multiply-adds a row must cost to build before a lookup builds each distinct id's row once
 (``TTEmbedding.dedups``): below it, sorting the ids and gathering and scattering their rows
@@ -65,7 +69,8 @@ class TTEmbedding(TensorizedLayer):
 
     ``sparse=True`` gives sparse gradients, as it does a dense table: each core's gradient
     holds only the slices the step's ids read (``planner.gathered``), so a step's
-    backward and update cost its ids, not the whole cores. Where a process group is
+    backward and update cost its ids, not the whole cores (a core under ``SPARSE_CORE_MIN``
+    entries gets a dense one, cheaper to update whole). Where a process group is
     initialized (DDP and FSDP2 reduce dense gradients but for ``nn.Embedding``'s own) and in
     compiled lookups they are dense (``sparse_gradients``).
     """
@@ -118,10 +123,16 @@ class TTEmbedding(TensorizedLayer):
         return self.declared_sparse and not (
             torch.distributed.is_available() and torch.distributed.is_initialized())
 
+    def sparse_cores(self) -> tuple[bool, ...]:
+        """Whether each core's gradient is sparse: where ``sparse_gradients``, the cores of at
+        least ``SPARSE_CORE_MIN`` entries."""
+        sparse = self.sparse_gradients
+        return tuple(sparse and core.numel() >= SPARSE_CORE_MIN for core in self.cores)
+
     def sparse_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients are sparse (for an optimizer that splits sparse
-        from dense): the cores where ``sparse_gradients``, and a sparse cache's rows."""
-        cores = list(self.cores) if self.sparse_gradients else []
+        from dense): the cores of ``sparse_cores``, and a sparse cache's rows."""
+        cores = [c for c, sparse in zip(self.cores, self.sparse_cores()) if sparse]
         cache = [self.cache.weight] if self.cache is not None and self.cache.sparse else []
         return cores + cache
 
@@ -262,7 +273,7 @@ class TTEmbedding(TensorizedLayer):
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
         gates = [hard_threshold(g, self.threshold) for g in self.gates]
-        sparse = self.sparse_gradients and torch.is_grad_enabled()
+        sparse = self.sparse_cores() if torch.is_grad_enabled() else False
         if self.recompute_lookup and torch.is_grad_enabled():
             # one checkpoint per block of ids: backward rebuilds one block's products at once
             rows = torch.cat([checkpoint(self.plan_for(part.numel()).lookup, part,
@@ -284,7 +295,7 @@ class TTEmbedding(TensorizedLayer):
         # one autograd node for the cache, the chain and the interleaving (planner.gathered)
         digits = mode_digits(ids.index_select(0, misses), self.row_modes)
         gates = [hard_threshold(g, self.threshold).to(self.cores[0].dtype) for g in self.gates]
-        return CachedChain.apply(self.sparse_gradients and torch.is_grad_enabled(),
+        return CachedChain.apply(self.sparse_cores() if torch.is_grad_enabled() else False,
                                  self.cache.sparse, len(self.cores), self.embedding_dim,
                                  self.cache.weight, slots, hits, misses, *digits, *self.cores,
                                  *gates)

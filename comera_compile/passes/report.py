@@ -10,6 +10,7 @@ from torch import nn
 
 from comera_compile.compile.state import compiled_state
 from comera_compile.nn import TensorizedLayer, TiedEmbeddingHead, TTEmbedding
+from comera_compile.nn.tt_embedding import SPARSE_CORE_MIN
 from comera_compile.passes.advice import narrow_dense_advice
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
@@ -272,9 +273,12 @@ def _notes(model: nn.Module, report: OptimizeReport | None = None) -> dict[str, 
             continue
         said = []
         if module.declared_sparse:
+            small = [str(k) for k, c in enumerate(module.cores) if c.numel() < SPARSE_CORE_MIN]
             said.append("declared sparse=True; gradients stay sparse: its TT cores get the "
-                        "slices a step reads (dense where a process group is initialized), "
-                        "which SGD, Adagrad and SparseAdam take (Adam does not)"
+                        "slices a step reads (dense where a process group is initialized"
+                        + (f"; core {', '.join(small)} dense, cheaper to update whole"
+                           if small else "")
+                        + "), which SGD, Adagrad and SparseAdam take (Adam does not)"
                         + (", its hot-row cache its rows" if module.cache_rows else ""))
         if module.cache_rows:
             said.append(_cache_state(module))

@@ -120,10 +120,11 @@ class EmbeddingPlan:
         return run_lookup(self, ids, cores)
 
     def lookup(self, ids: Tensor, cores: Sequence[Tensor],
-               gates: Sequence[Tensor] | None = None, sparse: bool = False) -> Tensor:
+               gates: Sequence[Tensor] | None = None,
+               sparse: bool | Sequence[bool] = False) -> Tensor:
         """Rows ``(len(ids), prod(col_modes))`` of the table for 1-d ``ids`` from slices-first
         ``cores``, run by :func:`~comera_compile.planner.lookup.run_lookup` (``gates`` weight
-        the internal bonds; ``sparse``: the cores' gradients are sparse)."""
+        the internal bonds; ``sparse``: the cores' gradients are sparse, all or per core)."""
         return run_lookup(self, ids, cores, gates, sparse)
 
     def to_dict(self) -> dict[str, Any]:

@@ -103,9 +103,9 @@ def chain_forward(digits: Sequence[Tensor], cores: Sequence[Tensor],
 
 def chain_backward(grad: Tensor, digits: Sequence[Tensor], shapes: Sequence[torch.Size],
                    gates: Sequence[Tensor], saved: Sequence[Tensor], wants: Sequence[bool],
-                   sparse: bool) -> tuple[list[Tensor | None], list[Tensor | None]]:
-    """Gradients of the cores and gates (``wants``: cores', then gates' flags) for ``grad``
-    of :func:`chain_forward`'s rows."""
+                   sparse: Sequence[bool]) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    """Gradients of the cores (sparse where ``sparse[k]``) and gates (``wants``: cores',
+    then gates' flags) for ``grad`` of :func:`chain_forward`'s rows."""
     order, rows = len(shapes), digits[0].shape[0]
     grad_cores: list[Tensor | None] = [None] * order
     grad_gates: list[Tensor | None] = [None] * len(gates)
@@ -115,15 +115,24 @@ def chain_backward(grad: Tensor, digits: Sequence[Tensor], shapes: Sequence[torc
         grad = grad.reshape(rows, width, g.shape[2])
         if wants[k]:
             grad_cores[k] = rows_gradient(_slices_gradient(acc, grad), digits[k], shapes[k],
-                                          sparse)
+                                          sparse[k])
         grad = _back_through_slices(grad, g, width)  # (b, w, r)
         if gates:
             if wants[order + k - 1]:
                 grad_gates[k - 1] = (grad * plain).sum((0, 1))
             grad = grad * gates[k - 1]
     if wants[0]:
-        grad_cores[0] = rows_gradient(grad, digits[0], shapes[0], sparse)
+        grad_cores[0] = rows_gradient(grad, digits[0], shapes[0], sparse[0])
     return grad_cores, grad_gates
+
+
+def per_core(sparse: bool | Sequence[bool], order: int) -> tuple[bool, ...]:
+    """Whether each core's gradient is sparse: one flag for all, or a flag per core."""
+    if isinstance(sparse, bool):
+        return (sparse,) * order
+    if len(sparse) != order:
+        raise ValueError(f"expected {order} sparse flags, got {len(sparse)}")
+    return tuple(bool(s) for s in sparse)
 
 
 def _split(tensors: Sequence[Tensor], order: int) -> tuple:
@@ -133,15 +142,16 @@ def _split(tensors: Sequence[Tensor], order: int) -> tuple:
 
 class GatheredChain(torch.autograd.Function):
     """The chain of ``apply(sparse, d, *digits, *cores, *gates)`` (``d`` cores, ``d - 1``
-    gates or none) per row, as one node: rows ``(b, prod(n), 1)``."""
+    gates or none; ``sparse``: one flag for all cores or one each) per row, as one node:
+    rows ``(b, prod(n), 1)``."""
 
     @staticmethod
     @_without_autocast
-    def forward(ctx, sparse: bool, order: int, *tensors: Tensor) -> Tensor:
+    def forward(ctx, sparse: bool | Sequence[bool], order: int, *tensors: Tensor) -> Tensor:
         digits, cores, gates = _split(tensors, order)
         out, saved = chain_forward(digits, cores, gates)
         ctx.save_for_backward(*digits, *gates, *saved)
-        ctx.order, ctx.gated, ctx.sparse = order, bool(gates), sparse
+        ctx.order, ctx.gated, ctx.sparse = order, bool(gates), per_core(sparse, order)
         ctx.shapes = [c.shape for c in cores]
         return out
 
@@ -166,7 +176,8 @@ class CachedChain(torch.autograd.Function):
 
     @staticmethod
     @_without_autocast
-    def forward(ctx, sparse: bool, cache_sparse: bool, order: int, width: int, weight: Tensor,
+    def forward(ctx, sparse: bool | Sequence[bool], cache_sparse: bool, order: int, width: int,
+                weight: Tensor,
                 slots: Tensor, hits: Tensor, misses: Tensor, *tensors: Tensor) -> Tensor:
         digits, cores, gates = _split(tensors, order)
         built, saved = chain_forward(digits, cores, gates)
@@ -175,8 +186,8 @@ class CachedChain(torch.autograd.Function):
         flat = built.view(built.shape[0], built.shape[1] * built.shape[2])  # rows may be 0
         out.index_copy_(0, misses, flat[:, :width])
         ctx.save_for_backward(slots, hits, misses, *digits, *gates, *saved)
-        ctx.order, ctx.gated, ctx.sparse, ctx.cache_sparse = order, bool(gates), sparse, (
-            cache_sparse)
+        ctx.order, ctx.gated, ctx.cache_sparse = order, bool(gates), cache_sparse
+        ctx.sparse = per_core(sparse, order)
         ctx.shapes, ctx.weight = [c.shape for c in cores], (weight.shape, weight.dtype)
         ctx.built_width = built.shape[1] * built.shape[2]
         return out

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .gathered import GatheredChain, GatheredContraction
+from .gathered import GatheredChain, GatheredContraction, per_core
 from .host import host_reads_allowed
 from .network import next_power_of_two
 
@@ -29,16 +29,17 @@ CHAIN = -1
 
 
 def run_lookup(plan: EmbeddingPlan, ids: Tensor, cores: Sequence[Tensor],
-               gates: Sequence[Tensor] | None = None, sparse: bool = False) -> Tensor:
+               gates: Sequence[Tensor] | None = None,
+               sparse: bool | Sequence[bool] = False) -> Tensor:
     """Rows ``(len(ids), prod(col_modes))`` of the TTM table for 1-d ``ids``, run as ``plan``,
     from slices-first ``cores``. ``sparse``: the cores' gradients are sparse, the slices the
-    ids read (:mod:`.gathered`); the chain then runs per core whatever the plan's split, as a
-    merged half's gradient would be the whole half."""
+    ids read (:mod:`.gathered`), for all cores or per core; the chain then runs per core
+    whatever the plan's split, as a merged half's gradient would be the whole half."""
     if ids.dim() != 1:
         raise ValueError(f"lookup expects 1-d ids, got shape {tuple(ids.shape)}")
     if len(cores) != len(plan.row_modes):
         raise ValueError(f"expected {len(plan.row_modes)} cores, got {len(cores)}")
-    if plan.split == CHAIN or sparse:
+    if plan.split == CHAIN or any(per_core(sparse, len(cores))):
         return chain_lookup(ids, cores, plan.row_modes, plan.col_modes, gates, sparse)
     if gates is not None:
         cores = [c * g.to(c.dtype) for c, g in zip(cores, gates)] + list(cores[len(gates) :])
@@ -76,13 +77,13 @@ def tables(plan: EmbeddingPlan, cores: Sequence[Tensor]) -> tuple[Tensor, Tensor
 
 def chain_lookup(ids: Tensor, cores: Sequence[Tensor], row_modes: Sequence[int],
                  col_modes: Sequence[int], gates: Sequence[Tensor] | None = None,
-                 sparse: bool = False) -> Tensor:
+                 sparse: bool | Sequence[bool] = False) -> Tensor:
     """Contract the chain per row: gather the first core's slice, then one core at a time
     (``sparse``: gathered, with sparse core gradients, :mod:`.gathered`)."""
     digits = mode_digits(ids, row_modes)
     rows = ids.shape[0]
     eager = host_reads_allowed()  # the bucketed contraction reads a depth
-    if sparse or not eager:  # every core gathered: one autograd node
+    if any(per_core(sparse, len(cores))) or not eager:  # every core gathered: one node
         gates = [g.to(cores[0].dtype) for g in gates] if gates is not None else []
         out = GatheredChain.apply(sparse, len(cores), *digits, *cores, *gates)
         return out.reshape(rows, math.prod(col_modes))
