@@ -172,7 +172,8 @@ class TensorizedLayer(PlannedLayer, nn.Module):
     @property
     def ranks(self) -> list[int]:
         """Stored ranks ``[1, r_1, ..., r_{L-1}, 1]`` (shrink only through ``prune_ranks``)."""
-        return [1] + [int(c.shape[-1]) for c in self.cores[:-1]] + [1]
+        cores = list(self.cores)  # a ParameterList's slice builds a new module
+        return [1] + [int(c.shape[-1]) for c in cores[:-1]] + [1]
 
     def effective_ranks(self) -> list[int]:
         """Ranks counting only gate entries above the threshold, ``[1, ..., 1]`` included."""

@@ -286,19 +286,21 @@ class TTEmbedding(TensorizedLayer):
     def _rows(self, ids: Tensor) -> Tensor:
         """The rows of ``ids``: a cached table's hits read from the cache, its misses built
         from the cores; no id reads both."""
+        cores = list(self.cores)
+        dtype = cores[0].dtype
         if self.cache is None:
-            return self._core_rows(ids).to(self.cores[0].dtype)
-        slots, hits, misses = split_by_cache(self.cache.ids, ids)
+            return self._core_rows(ids).to(dtype)
+        cache = self.cache
+        slots, hits, misses = split_by_cache(cache.ids, ids)
         if self.recompute_lookup and torch.is_grad_enabled():  # the misses' rows rebuilt
-            built = self._core_rows(ids.index_select(0, misses)).to(self.cores[0].dtype)
-            return Interleave.apply(self.cache(slots), hits, built, misses)
+            built = self._core_rows(ids.index_select(0, misses)).to(dtype)
+            return Interleave.apply(cache(slots), hits, built, misses)
         # one autograd node for the cache, the chain and the interleaving (planner.gathered)
         digits = mode_digits(ids.index_select(0, misses), self.row_modes)
-        gates = [hard_threshold(g, self.threshold).to(self.cores[0].dtype) for g in self.gates]
+        gates = [hard_threshold(g, self.threshold).to(dtype) for g in self.gates]
         return CachedChain.apply(self.sparse_cores() if torch.is_grad_enabled() else False,
-                                 self.cache.sparse, len(self.cores), self.embedding_dim,
-                                 self.cache.weight, slots, hits, misses, *digits, *self.cores,
-                                 *gates)
+                                 cache.sparse, len(cores), self.embedding_dim, cache.weight,
+                                 slots, hits, misses, *digits, *cores, *gates)
 
     def forward(self, input: Tensor, offsets: Tensor | None = None,
                 per_sample_weights: Tensor | None = None) -> Tensor:
