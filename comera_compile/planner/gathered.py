@@ -140,6 +140,24 @@ def _split(tensors: Sequence[Tensor], order: int) -> tuple:
     return tensors[:order], tensors[order:2 * order], tensors[2 * order:]
 
 
+def _save_chain(ctx, sparse: bool | Sequence[bool], digits: Sequence[Tensor],
+                cores: Sequence[Tensor], gates: Sequence[Tensor], saved: Sequence[Tensor],
+                *extra: Tensor) -> None:
+    """Keep what :func:`chain_backward` needs (``extra`` tensors first)."""
+    ctx.save_for_backward(*extra, *digits, *gates, *saved)
+    ctx.order, ctx.gated, ctx.extra = len(cores), bool(gates), len(extra)
+    ctx.sparse, ctx.shapes = per_core(sparse, len(cores)), [c.shape for c in cores]
+
+
+def _saved_chain(ctx) -> tuple:
+    """``(extra, digits, gates, saved)`` as :func:`_save_chain` kept them."""
+    tensors, order, extra = ctx.saved_tensors, ctx.order, ctx.extra
+    gated = order - 1 if ctx.gated else 0
+    digits = tensors[extra:extra + order]
+    gates = tensors[extra + order:extra + order + gated]
+    return tensors[:extra], digits, gates, tensors[extra + order + gated:]
+
+
 class GatheredChain(torch.autograd.Function):
     """The chain of ``apply(sparse, d, *digits, *cores, *gates)`` (``d`` cores, ``d - 1``
     gates or none; ``sparse``: one flag for all cores or one each) per row, as one node:
@@ -150,22 +168,17 @@ class GatheredChain(torch.autograd.Function):
     def forward(ctx, sparse: bool | Sequence[bool], order: int, *tensors: Tensor) -> Tensor:
         digits, cores, gates = _split(tensors, order)
         out, saved = chain_forward(digits, cores, gates)
-        ctx.save_for_backward(*digits, *gates, *saved)
-        ctx.order, ctx.gated, ctx.sparse = order, bool(gates), per_core(sparse, order)
-        ctx.shapes = [c.shape for c in cores]
+        _save_chain(ctx, sparse, digits, cores, gates, saved)
         return out
 
     @staticmethod
     @once_differentiable
     @_without_autocast
     def backward(ctx, grad: Tensor):
-        order, tensors = ctx.order, ctx.saved_tensors
-        gated = order - 1 if ctx.gated else 0
-        digits, gates, saved = tensors[:order], tensors[order:order + gated], tensors[
-            order + gated:]
+        _, digits, gates, saved = _saved_chain(ctx)
         cores, gates_grad = chain_backward(grad, digits, ctx.shapes, gates, saved,
-                                           ctx.needs_input_grad[2 + order:], ctx.sparse)
-        return None, None, *([None] * order), *cores, *gates_grad
+                                           ctx.needs_input_grad[2 + ctx.order:], ctx.sparse)
+        return None, None, *([None] * ctx.order), *cores, *gates_grad
 
 
 class CachedChain(torch.autograd.Function):
@@ -177,30 +190,24 @@ class CachedChain(torch.autograd.Function):
     @staticmethod
     @_without_autocast
     def forward(ctx, sparse: bool | Sequence[bool], cache_sparse: bool, order: int, width: int,
-                weight: Tensor,
-                slots: Tensor, hits: Tensor, misses: Tensor, *tensors: Tensor) -> Tensor:
+                weight: Tensor, slots: Tensor, hits: Tensor, misses: Tensor,
+                *tensors: Tensor) -> Tensor:
         digits, cores, gates = _split(tensors, order)
         built, saved = chain_forward(digits, cores, gates)
         out = built.new_empty(hits.numel() + misses.numel(), width)
         out.index_copy_(0, hits, weight.index_select(0, slots).to(out.dtype))
         flat = built.view(built.shape[0], built.shape[1] * built.shape[2])  # rows may be 0
         out.index_copy_(0, misses, flat[:, :width])
-        ctx.save_for_backward(slots, hits, misses, *digits, *gates, *saved)
-        ctx.order, ctx.gated, ctx.cache_sparse = order, bool(gates), cache_sparse
-        ctx.sparse = per_core(sparse, order)
-        ctx.shapes, ctx.weight = [c.shape for c in cores], (weight.shape, weight.dtype)
-        ctx.built_width = built.shape[1] * built.shape[2]
+        _save_chain(ctx, sparse, digits, cores, gates, saved, slots, hits, misses)
+        ctx.cache_sparse, ctx.weight = cache_sparse, (weight.shape, weight.dtype)
+        ctx.built_width = flat.shape[1]
         return out
 
     @staticmethod
     @once_differentiable
     @_without_autocast
     def backward(ctx, grad: Tensor):
-        order, tensors = ctx.order, ctx.saved_tensors
-        gated = order - 1 if ctx.gated else 0
-        slots, hits, misses = tensors[:3]
-        digits = tensors[3:3 + order]
-        gates, saved = tensors[3 + order:3 + order + gated], tensors[3 + order + gated:]
+        (slots, hits, misses), digits, gates, saved = _saved_chain(ctx)
         grad_weight = None
         if ctx.needs_input_grad[4]:
             shape, dtype = ctx.weight
@@ -210,9 +217,9 @@ class CachedChain(torch.autograd.Function):
         if missed.shape[1] < ctx.built_width:  # the chain's padded columns get no gradient
             missed = torch.nn.functional.pad(missed, (0, ctx.built_width - missed.shape[1]))
         cores, gates_grad = chain_backward(missed, digits, ctx.shapes, gates, saved,
-                                           ctx.needs_input_grad[8 + order:], ctx.sparse)
-        return (None, None, None, None, grad_weight, None, None, None, *([None] * order),
-                *cores, *gates_grad)
+                                           ctx.needs_input_grad[8 + ctx.order:], ctx.sparse)
+        return (None, None, None, None, grad_weight, None, None, None,
+                *([None] * ctx.order), *cores, *gates_grad)
 
 
 class GatheredContraction(torch.autograd.Function):
