@@ -277,3 +277,22 @@ def test_planted_click_task_cached_loss_within_one_percent_of_dense():
             losses[row] = log_loss(model(held[0], held[1]), held[2])
     assert losses["dense"] < 0.95 * constant, (losses, constant)  # the signal is learned
     assert losses["cached"] <= losses["dense"] * 1.01, losses
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_cached_lookup_rebuilt_in_backward_equals_the_one_node_lookup(sparse):
+    """With ``recompute_lookup`` (bond recomputation) a cached table's misses go through the
+    recomputed lookup and ``Interleave``; rows and every gradient equal ``CachedChain``'s."""
+    layer = _cached_table(sparse=sparse)
+    ids = torch.tensor([[3, 5], [7, 100], [31, 3], [599, 0]])
+    weight = torch.randn(4, 12, dtype=torch.float64)
+    results = []
+    for recompute in (False, True):
+        layer.recompute_lookup = recompute
+        out = layer(ids)
+        grads = torch.autograd.grad((out * weight).sum(), list(layer.parameters()))
+        results.append((out, [g.to_dense() if g.is_sparse else g for g in grads]))
+    (a, grads_a), (b, grads_b) = results
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for x, y in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
