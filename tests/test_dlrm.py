@@ -139,3 +139,58 @@ def test_small_sparse_table_is_tensorized_when_the_budget_needs_it():
     tight = cc.optimize(model, "30x", example_inputs=example, compile=False)
     assert isinstance(tight.get_submodule("tables.1"), TTEmbedding)
     assert cc.summary(tight).compression >= 30
+
+
+class _OffsetsDLRM(torch.nn.Module):
+    """A DLRM written as its reference code calls the tables: 1-d ids and offsets each."""
+
+    def __init__(self, cards):
+        super().__init__()
+        self.bottom = torch.nn.Sequential(torch.nn.Linear(13, 32), torch.nn.ReLU(),
+                                          torch.nn.Linear(32, 16))
+        self.tables = torch.nn.ModuleList(
+            torch.nn.EmbeddingBag(n, 16, mode="sum", sparse=True) for n in cards)
+        self.top = torch.nn.Linear(16 * (len(cards) + 1), 1)
+
+    def forward(self, dense, offsets, ids):
+        pooled = [t(ids[k], offsets[k]) for k, t in enumerate(self.tables)]
+        return self.top(torch.cat([self.bottom(dense), *pooled], 1)).squeeze(1)
+
+
+def test_a_dlrm_calling_its_tables_with_offsets_compresses_caches_and_learns():
+    """The reference call (``emb(ids, offsets)``, bags of one id and of several): the tables
+    are tensorized with caches at 20x, the outputs equal the TT tables' own dense rows, and
+    SGD lowers the loss on a planted signal."""
+    torch.manual_seed(0)
+    data = SyntheticClicks(CARDS, bag=2)
+
+    def batch(n, seed):
+        dense, sparse, labels = data.batch(n, seed=seed)
+        ids = [s.reshape(-1) for s in sparse]  # bags of two ids
+        offsets = [torch.arange(0, 2 * n, 2) for _ in sparse]
+        return dense, offsets, ids, labels
+
+    model = _OffsetsDLRM(CARDS)
+    dense, offsets, ids, labels = batch(512, 99)
+    result = cc.optimize(model, cc.CompressionConfig(budget=cc.Budget(ratio=20), compile=False,
+                                                     row_cache=0.5, cache_warmup=5),
+                         example_inputs=(dense, offsets, ids))
+    big = result.tables[0]
+    assert isinstance(big, TTEmbedding) and big.cache_rows > 0
+    opt = torch.optim.SGD(cc.training.param_groups(result, lr=0.2, lr_cores=0.05), lr=0.2)
+    losses = []
+    for step in range(40):  # the caches fill after 5 steps
+        dense, offsets, ids, labels = batch(256, step)
+        loss = F.binary_cross_entropy_with_logits(result(dense, offsets, ids), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert big.cache_filled
+    assert sum(losses[-5:]) < 0.9 * sum(losses[:5])
+    with torch.no_grad():
+        want = F.embedding_bag(ids[0], big.to_dense(), offsets[0], mode="sum")
+        torch.testing.assert_close(big(ids[0], offsets[0]), want, rtol=1e-5, atol=1e-6)
+        one = torch.arange(ids[0].numel())  # bags of one id each pass their rows through
+        torch.testing.assert_close(big(ids[0], one), big.to_dense()[ids[0]], rtol=1e-5,
+                                   atol=1e-6)
