@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from comera_compile.planner.gathered import interleave
+
 DEFAULT_WARMUP = 100
 """Training forward passes whose ids are counted before the cached set is fixed."""
 
@@ -44,12 +46,9 @@ class Interleave(torch.autograd.Function):
     @staticmethod
     def forward(ctx, first: Tensor, at_first: Tensor, second: Tensor,
                 at_second: Tensor) -> Tensor:
-        out = second.new_empty(at_first.numel() + at_second.numel(), second.shape[1])
-        out.index_copy_(0, at_first, first.to(second.dtype))
-        out.index_copy_(0, at_second, second)
         ctx.save_for_backward(at_first, at_second)
         ctx.first_dtype = first.dtype
-        return out
+        return interleave(first, at_first, second, at_second)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

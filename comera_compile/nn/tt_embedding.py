@@ -110,7 +110,6 @@ class TTEmbedding(TensorizedLayer):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.row_modes, self.col_modes = chain.first, chain.second
         self.padding_idx, self.mode, self.dedup = padding_idx, mode, dedup
-        self._dedup_at: tuple[tuple[int, ...] | None, bool] = (None, True)
         self.include_last_offset, self.declared_sparse = bool(include_last_offset), bool(sparse)
         self.cache: RowCache | None = None
         self.cache_rows, self._tally, self._cache_filled = 0, IdTally(), False
@@ -142,13 +141,8 @@ class TTEmbedding(TensorizedLayer):
         where a row costs more than ``DEDUP_MIN_MACS`` multiply-adds to build."""
         if self.dedup is not None:
             return self.dedup
-        ranks = tuple(self.ranks)  # pruning shrinks them
-        if torch.compiler.is_compiling():  # traced once: no attribute written in a graph
-            return chain_costs(self.row_modes, self.col_modes, ranks, 1)[0] > DEDUP_MIN_MACS
-        if getattr(self, "_dedup_at", (None,))[0] != ranks:
-            macs, _ = chain_costs(self.row_modes, self.col_modes, ranks, 1)
-            self._dedup_at = (ranks, macs > DEDUP_MIN_MACS)
-        return self._dedup_at[1]
+        macs, _ = chain_costs(self.row_modes, self.col_modes, self.ranks, 1)  # ranks prune
+        return macs > DEDUP_MIN_MACS
 
     @property
     def lookup_outgrows_rows(self) -> bool:

@@ -10,7 +10,6 @@ from torch import nn
 
 from comera_compile.compile.state import compiled_state
 from comera_compile.nn import TensorizedLayer, TiedEmbeddingHead, TTEmbedding
-from comera_compile.nn.tt_embedding import SPARSE_CORE_MIN
 from comera_compile.passes.advice import narrow_dense_advice
 from comera_compile.passes.candidates import Candidate
 from comera_compile.passes.specs import LayerSpec
@@ -273,7 +272,8 @@ def _notes(model: nn.Module, report: OptimizeReport | None = None) -> dict[str, 
             continue
         said = []
         if module.declared_sparse:
-            small = [str(k) for k, c in enumerate(module.cores) if c.numel() < SPARSE_CORE_MIN]
+            small = [str(k) for k, sparse in enumerate(module.sparse_cores()) if not sparse
+                     ] if module.sparse_gradients else []
             said.append("declared sparse=True; gradients stay sparse: its TT cores get the "
                         "slices a step reads (dense where a process group is initialized"
                         + (f"; core {', '.join(small)} dense, cheaper to update whole"

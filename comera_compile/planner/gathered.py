@@ -82,6 +82,14 @@ def rows_gradient(rows: Tensor, index: Tensor, shape: Sequence[int], sparse: boo
     return rows.new_zeros(shape).index_add_(0, index, rows)
 
 
+def interleave(first: Tensor, at_first: Tensor, second: Tensor, at_second: Tensor) -> Tensor:
+    """``first`` rows at positions ``at_first`` and ``second`` rows at ``at_second`` of one
+    output in ``second``'s dtype (the positions partition it)."""
+    out = second.new_empty(at_first.numel() + at_second.numel(), second.shape[1])
+    out.index_copy_(0, at_first, first.to(second.dtype))
+    return out.index_copy_(0, at_second, second)
+
+
 def chain_forward(digits: Sequence[Tensor], cores: Sequence[Tensor],
                   gates: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
     """Rows ``(b, prod(n), 1)`` of the chain for each row's ``digits``, and what
@@ -194,10 +202,8 @@ class CachedChain(torch.autograd.Function):
                 *tensors: Tensor) -> Tensor:
         digits, cores, gates = _split(tensors, order)
         built, saved = chain_forward(digits, cores, gates)
-        out = built.new_empty(hits.numel() + misses.numel(), width)
-        out.index_copy_(0, hits, weight.index_select(0, slots).to(out.dtype))
         flat = built.view(built.shape[0], built.shape[1] * built.shape[2])  # rows may be 0
-        out.index_copy_(0, misses, flat[:, :width])
+        out = interleave(weight.index_select(0, slots), hits, flat[:, :width], misses)
         _save_chain(ctx, sparse, digits, cores, gates, saved, slots, hits, misses)
         ctx.cache_sparse, ctx.weight = cache_sparse, (weight.shape, weight.dtype)
         ctx.built_width = flat.shape[1]
