@@ -176,6 +176,29 @@ def test_bags_by_offsets_pool_as_embedding_bag_does_with_the_same_gradients(mode
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("last", [False, True])
+def test_crafted_offsets_pool_as_embedding_bag_does_or_are_refused_as_it_refuses(last):
+    """Offsets that fall, start past 0, run past the ids or end short: the bags equal
+    ``F.embedding_bag``'s where it takes the offsets, and an error where it refuses them,
+    never a pooling past the ids (a falling run once wrote past a buffer's end)."""
+    torch.manual_seed(0)
+    layer = TTEmbedding(500, 16, ranks=5, mode="mean", include_last_offset=last)
+    ids = torch.tensor([4, 2, 4, 9, 499, 0, 2, 7])
+    g = torch.Generator().manual_seed(1)
+    crafted = [[0, 3, 3, 12], [0, 3, 2, 6], [0, 3, 9], [0, -1, 5], [2, 3], [0, 0, 0],
+               [0, 3, 6, 7], [0, 3, 3, 8]]
+    crafted += [torch.randint(-2, 11, (4,), generator=g).tolist() for _ in range(30)]
+    for offsets in map(torch.tensor, crafted):
+        try:
+            want = F.embedding_bag(ids, layer.to_dense(), offsets, mode="mean",
+                                   include_last_offset=last)
+        except (RuntimeError, IndexError, ValueError):
+            with pytest.raises((RuntimeError, IndexError, ValueError)):
+                layer(ids, offsets)
+            continue
+        torch.testing.assert_close(layer(ids, offsets), want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_lookup_dedups_ids_only_where_a_row_is_costly_and_both_give_the_same_bags():
     """Rank 5 of dim 16 (80 multiply-adds a row): each id's row is built; rank 40 (640):
     each distinct row once. Either way the bags and the gradients are those of the other."""

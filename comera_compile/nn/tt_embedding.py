@@ -336,8 +336,9 @@ class TTEmbedding(TensorizedLayer):
                 return table.reshape(*input.shape, self.embedding_dim)
             if self._plain_bags(input, offsets, per_sample_weights, self.padding_idx):
                 return self._pool_rows(table.view(*input.shape, self.embedding_dim))
-            if self._offset_bags(input, offsets, per_sample_weights, self.padding_idx):
-                return self._pool_offset_bags(table, offsets)
+            lengths = self._offset_lengths(input, offsets, per_sample_weights, self.padding_idx)
+            if lengths is not None:
+                return self._pool_offset_bags(table, lengths)
             index = torch.arange(flat.numel(), device=flat.device)  # bags gather in order
         padding = None
         if self.padding_idx is not None:  # point padding positions at an extra zero row
@@ -348,8 +349,9 @@ class TTEmbedding(TensorizedLayer):
             return F.embedding(index, table).reshape(*input.shape, self.embedding_dim)
         if self._plain_bags(input, offsets, per_sample_weights, padding):
             return self._pool_fixed_bags(index, table, input.shape)
-        if self._offset_bags(input, offsets, per_sample_weights, padding):
-            return self._pool_offset_bags(table.index_select(0, index), offsets)
+        lengths = self._offset_lengths(input, offsets, per_sample_weights, padding)
+        if lengths is not None:
+            return self._pool_offset_bags(table.index_select(0, index), lengths)
         return F.embedding_bag(index.reshape(input.shape), table, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights,
                                include_last_offset=self.include_last_offset, padding_idx=padding)
@@ -360,27 +362,31 @@ class TTEmbedding(TensorizedLayer):
         return (input.dim() == 2 and offsets is None and weights is None and padding is None
                 and self.mode in ("sum", "mean"))
 
-    def _offset_bags(self, input: Tensor, offsets: Tensor | None, weights: Tensor | None,
-                     padding: int | None) -> bool:
-        """1-d ids in bags by ``offsets`` that start at 0, summed or averaged, nothing masked
-        or weighted, run eagerly (other offsets get ``F.embedding_bag``'s checks)."""
-        return (input.dim() == 1 and offsets is not None and offsets.dim() == 1
+    def _offset_lengths(self, input: Tensor, offsets: Tensor | None, weights: Tensor | None,
+                        padding: int | None) -> Tensor | None:
+        """Each bag's id count, for 1-d ids in bags by well-formed ``offsets`` (from 0, never
+        falling, within the ids), summed or averaged, nothing masked or weighted, run
+        eagerly; ``None`` otherwise: ``F.embedding_bag`` then pools, or names what is wrong."""
+        if not (input.dim() == 1 and offsets is not None and offsets.dim() == 1
                 and weights is None and padding is None and self.mode in ("sum", "mean")
-                and offsets.numel() > int(self.include_last_offset)
-                and host_reads_allowed() and int(offsets[0]) == 0)
+                and offsets.numel() > int(self.include_last_offset) and host_reads_allowed()):
+            return None
+        offsets, count = offsets.long(), input.numel()
+        end = offsets.new_full((1,), count)
+        lengths = torch.diff(offsets) if self.include_last_offset else torch.diff(offsets,
+                                                                                   append=end)
+        first, last, shortest = (int(v) for v in torch.stack(
+            [offsets[0], offsets[-1], lengths.min() if lengths.numel() else end[0]]))
+        closed = last == count if self.include_last_offset else last <= count
+        return lengths if first == 0 and closed and shortest >= 0 else None
 
-    def _pool_offset_bags(self, rows: Tensor, offsets: Tensor) -> Tensor:
-        """Rows in ids order pooled per bag by an ``index_add``: its backward is a gather,
-        where ``embedding_bag``'s sorts the ids (DLRM's reference calls its tables so)."""
+    def _pool_offset_bags(self, rows: Tensor, lengths: Tensor) -> Tensor:
+        """Rows in ids order pooled into bags of ``lengths`` ids by an ``index_add``: its
+        backward is a gather, where ``embedding_bag``'s sorts the ids (DLRM's reference calls
+        its tables so)."""
         count = rows.shape[0]
-        offsets = offsets.long()
-        if offsets.numel() == count + int(self.include_last_offset) and torch.equal(
-                offsets, torch.arange(offsets.numel(), device=offsets.device)):
+        if lengths.numel() == count and bool((lengths == 1).all()):
             return rows  # one id per bag (a click log's usual feature): the rows are the bags
-        if self.include_last_offset:
-            lengths = torch.diff(offsets)
-        else:
-            lengths = torch.diff(offsets, append=offsets.new_full((1,), count))
         bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device),
                                        lengths, output_size=count)
         pooled = rows.new_zeros(lengths.numel(), rows.shape[1]).index_add(0, bags, rows)
