@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from comera_compile.compile.cpu import block_cache
+from comera_compile.planner import native
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the block cache is built for Linux"
@@ -201,8 +203,9 @@ def test_a_library_planted_in_the_build_directory_is_never_loaded(tmp_path, monk
     marker = tmp_path / "marker"
     source = tmp_path / "plant.c"
     source.write_text(PLANT)
-    directory = block_cache._private_dir(block_cache._build_dir())
-    target = directory / f"block_cache_{block_cache._key()[:16]}.so"
+    directory = native.private_dir(native.build_dir(block_cache.NAME))
+    key = native.build_key(block_cache.SOURCE, block_cache._command, torch.__version__)
+    target = directory / f"block_cache_{key[:16]}.so"
     subprocess.run([cxx, "-shared", "-fPIC", f'-DMARKER="{marker}"', str(source), "-o",
                     str(target)], check=True)
     # planted next to a hash file of its own making, too: the hash must match the bytes
@@ -219,18 +222,18 @@ def test_the_build_directory_is_private(tmp_path, monkeypatch):
     import stat
 
     monkeypatch.setenv("COMERA_CACHE_DIR", str(tmp_path / "cache"))
-    directory = block_cache._build_dir()
-    assert block_cache._private_dir(directory) == directory
+    directory = native.build_dir(block_cache.NAME)
+    assert native.private_dir(directory) == directory
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     os.chmod(directory, 0o777)  # loosened: tightened again before any use
-    block_cache._private_dir(directory)
+    native.private_dir(directory)
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.rmdir(directory)
     os.symlink(elsewhere, directory)  # a link to somewhere else is refused
-    with pytest.raises(block_cache.UnsafeCacheDir):
-        block_cache._private_dir(directory)
+    with pytest.raises(native.UnsafeCacheDir):
+        native.private_dir(directory)
     out = run("""
 print(json.dumps({"installed": bc.install()}))
 """)
@@ -243,7 +246,7 @@ def test_cache_dir_off_builds_nothing_on_disk_and_in_no_directory_named_off(tmp_
 
     env = {**os.environ, "COMERA_CACHE_DIR": "off"}
     done = subprocess.run([sys.executable, "-c", PRELUDE + """
-print(json.dumps({"installed": bc.install(), "dir": bc._build_dir()}))
+print(json.dumps({"installed": bc.install(), "dir": bc.native.build_dir(bc.NAME)}))
 """], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -266,7 +269,7 @@ from comera_compile.compile.cpu.host_memory import host_memory_mode
 if sys.argv[1] == "no-setuptools":
     sys.modules["setuptools"] = None  # import setuptools raises ModuleNotFoundError
 else:
-    bc.BUILD_TIMEOUT = 2
+    bc.native.BUILD_TIMEOUT = 2
 start = time.time()
 installed = bc.install()
 took = time.time() - start

@@ -35,10 +35,11 @@ from comera_compile.nn.row_cache import (
     split_by_cache,
     top_rows,
 )
-from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed
+from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_allowed, native_lookup
 from comera_compile.planner.embedding import chain_costs
 from comera_compile.planner.gathered import CachedChain
 from comera_compile.planner.lookup import mode_digits
+from comera_compile.planner.native_lookup import NativeLookup
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
@@ -136,13 +137,17 @@ class TTEmbedding(TensorizedLayer):
         return cores + cache
 
     @property
+    def row_macs(self) -> int:
+        """Multiply-adds one row costs to build from the cores (at the ranks of now)."""
+        return chain_costs(self.row_modes, self.col_modes, self.ranks, 1)[0]
+
+    @property
     def dedups(self) -> bool:
         """Whether a lookup builds each distinct id's row once: ``dedup`` where set, else
         where a row costs more than ``DEDUP_MIN_MACS`` multiply-adds to build."""
         if self.dedup is not None:
             return self.dedup
-        macs, _ = chain_costs(self.row_modes, self.col_modes, self.ranks, 1)  # ranks prune
-        return macs > DEDUP_MIN_MACS
+        return self.row_macs > DEDUP_MIN_MACS
 
     @property
     def lookup_outgrows_rows(self) -> bool:
@@ -268,6 +273,11 @@ class TTEmbedding(TensorizedLayer):
             return rows[:, : self.embedding_dim]
         gates = [hard_threshold(g, self.threshold) for g in self.gates]
         sparse = self.sparse_cores() if torch.is_grad_enabled() else False
+        cores = list(self.cores)
+        if native_lookup.usable(ids, cores, self.row_macs):  # one C call each way
+            gates = [g.to(cores[0].dtype) for g in gates]
+            return NativeLookup.apply(sparse, False, len(cores), self.embedding_dim, ids, None,
+                                      None, *cores, *gates)
         if self.recompute_lookup and torch.is_grad_enabled():
             # one checkpoint per block of ids: backward rebuilds one block's products at once
             rows = torch.cat([checkpoint(self.plan_for(part.numel()).lookup, part,
@@ -285,6 +295,11 @@ class TTEmbedding(TensorizedLayer):
         if self.cache is None:
             return self._core_rows(ids).to(dtype)
         cache = self.cache
+        sparse = self.sparse_cores() if torch.is_grad_enabled() else False
+        if native_lookup.usable(ids, cores, self.row_macs, cache.weight):  # one C call each way
+            gates = [hard_threshold(g, self.threshold).to(dtype) for g in self.gates]
+            return NativeLookup.apply(sparse, cache.sparse, len(cores), self.embedding_dim, ids,
+                                      cache.ids, cache.weight, *cores, *gates)
         slots, hits, misses = split_by_cache(cache.ids, ids)
         if self.recompute_lookup and torch.is_grad_enabled():  # the misses' rows rebuilt
             built = self._core_rows(ids.index_select(0, misses)).to(dtype)
@@ -292,9 +307,8 @@ class TTEmbedding(TensorizedLayer):
         # one autograd node for the cache, the chain and the interleaving (planner.gathered)
         digits = mode_digits(ids.index_select(0, misses), self.row_modes)
         gates = [hard_threshold(g, self.threshold).to(dtype) for g in self.gates]
-        return CachedChain.apply(self.sparse_cores() if torch.is_grad_enabled() else False,
-                                 cache.sparse, len(cores), self.embedding_dim, cache.weight,
-                                 slots, hits, misses, *digits, *cores, *gates)
+        return CachedChain.apply(sparse, cache.sparse, len(cores), self.embedding_dim,
+                                 cache.weight, slots, hits, misses, *digits, *cores, *gates)
 
     def forward(self, input: Tensor, offsets: Tensor | None = None,
                 per_sample_weights: Tensor | None = None) -> Tensor:

@@ -1,0 +1,253 @@
+"""A TT table's lookup as one C loop over its ids (``tt_lookup.c``), forward and backward.
+
+The torch form of a lookup (:mod:`.gathered`) runs a few dozen ops per table and step, each
+costing about what its arithmetic does at a recommender's sizes; this runs the cache's
+search, each missed id's chain and its gradients in one call each way. Backward rebuilds a
+missed row's partial products rather than keeping them, so a step keeps only the ids'
+positions and digits. Built on first use with the system's C compiler; where it cannot be
+(no compiler, not Linux, ``COMERA_NATIVE_LOOKUP=0``), lookups run as torch ops, the same
+numbers up to float rounding."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import native
+from .gathered import _without_autocast, per_core, rows_gradient
+
+log = logging.getLogger("comera_compile")
+
+SOURCE = Path(__file__).with_name("tt_lookup.c")
+NAME = "tt_lookup"
+MAX_ORDER = 32  # the kernel's per-row bookkeeping holds 64 cores
+MAX_ROW_MACS = 4096
+"""Multiply-adds a row may cost to build for the C loop to take it: past it (a token table of
+a wide model) a batched matmul's vector kernels build rows faster than the loop does."""
+_TYPES = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _command(target: Path, openmp: bool = True) -> list[str]:
+    """The compiler command; ``openmp``: the loops join the OpenMP runtime torch loaded
+    (``libgomp.so.1`` is loaded once per process, so the library shares torch's threads)."""
+    return [os.environ.get("CC", "cc"), "-O3", "-std=c11", "-shared", "-fPIC",
+            *(["-fopenmp"] if openmp else []), str(SOURCE), "-o", str(target)]
+
+
+def _libgomp_loaded() -> bool:
+    """Whether torch runs on GNU OpenMP (its ``libgomp`` mapped in this process): only then
+    does a library built with ``-fopenmp`` share its threads rather than start its own."""
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def _build() -> bytes:
+    """The library, with OpenMP where the compiler and torch's runtime give it."""
+    if _libgomp_loaded():
+        try:
+            return native.build(NAME, SOURCE, _command)
+        except Exception as err:
+            log.info("comera: the C lookup of TT tables builds without OpenMP (%s)",
+                     native.why_not(err))
+    return native.build(NAME + "_serial", SOURCE, functools.partial(_command, openmp=False))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernels, or None (with one INFO line saying why) where they cannot be."""
+    if os.environ.get("COMERA_NATIVE_LOOKUP", "1").strip().lower() in ("0", "off", "no"):
+        return None
+    if not native.can_load():
+        return None
+    try:
+        lib = native.load(NAME, _build())
+    except Exception as err:  # any failure: lookups run as torch ops
+        log.info("comera: the C lookup of TT tables could not be built (%s); lookups run as "
+                 "torch ops", native.why_not(err))
+        return None
+    i64, ptr, ptrs = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    lib.comera_tt_index.restype = None
+    lib.comera_tt_index.argtypes = [i64, ptr, ctypes.c_int, ptr]
+    lib.comera_tt_split.restype = i64
+    lib.comera_tt_split.argtypes = [i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
+    lib.comera_tt_digits.restype = None
+    lib.comera_tt_digits.argtypes = [i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64]
+    for suffix in _TYPES.values():
+        rows = getattr(lib, f"comera_tt_rows_{suffix}")
+        rows.restype = ctypes.c_int
+        rows.argtypes = [ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                         ctypes.c_int, ptr, ptr, ptrs, ptrs]
+        grads = getattr(lib, f"comera_tt_grads_{suffix}")
+        grads.restype = ctypes.c_int
+        grads.argtypes = [ctypes.c_int, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64,
+                          ctypes.c_int, ptr, ptr, ptr, ptrs, ptrs, ptrs, ptrs, ptr]
+    return lib
+
+
+def available() -> bool:
+    """Whether the C lookup is built and loaded in this process (builds it if not yet)."""
+    return _library() is not None
+
+
+def _plain(t: Tensor, dtype: torch.dtype) -> bool:
+    return (type(t) in (Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and t.dtype == dtype and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def usable(ids: Tensor, cores: Sequence[Tensor], row_macs: int,
+           cache_weight: Tensor | None = None) -> bool:
+    """Whether this lookup can run in C: plain CPU tensors of one float type (32 or 64 bit)
+    outside a compiled graph, rows cheap enough (``MAX_ROW_MACS``), the kernels built."""
+    dtype = cores[0].dtype
+    if (dtype not in _TYPES or len(cores) > MAX_ORDER or row_macs > MAX_ROW_MACS
+            or torch.compiler.is_compiling()):
+        return False
+    tensors = [*cores, *([] if cache_weight is None else [cache_weight])]
+    if not all(_plain(t, dtype) for t in tensors) or not _plain(ids, ids.dtype):
+        return False
+    return available()
+
+
+def _int64s(values: Sequence[int]):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _pointers(tensors: Sequence[Tensor | None]):
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr()
+                                              for t in tensors])
+
+
+def _shape(cores: Sequence[Tensor]) -> tuple:
+    """The kernel's ``m``, ``n`` and ``r`` arrays for slices-first cores."""
+    modes = _int64s([c.shape[0] for c in cores])
+    cols = _int64s([c.shape[2] for c in cores])
+    ranks = _int64s([cores[0].shape[1], *(c.shape[3] for c in cores)])
+    return modes, cols, ranks
+
+
+_indexes: dict[int, tuple] = {}  # id(cache_ids) -> (its weakref, key, bits, table)
+MAX_LOAD = 0.7  # the index's filled share of buckets at most
+
+
+def cache_index(cache_ids: Tensor) -> tuple[int, Tensor]:
+    """``(bits, table)``: a hash index of ``cache_ids`` (``tt_lookup.c``'s
+    ``comera_tt_index``, 2^bits buckets), built once per value of ``cache_ids`` (it is
+    built again after any write to it: a fill, a load, a broadcast)."""
+    key = (cache_ids._version, cache_ids.data_ptr(), cache_ids.numel())
+    held = _indexes.get(id(cache_ids))
+    if held is not None and held[0]() is cache_ids and held[1] == key:
+        return held[2], held[3]
+    bits = max(4, math.ceil(math.log2(cache_ids.numel() / MAX_LOAD + 1)))
+    table = torch.empty(2 << bits, dtype=torch.int64)
+    ids = cache_ids.contiguous()
+    _library().comera_tt_index(ids.numel(), ids.data_ptr(), bits, table.data_ptr())
+    for name in [n for n, held in _indexes.items() if held[0]() is None]:
+        del _indexes[name]  # tables gone
+    _indexes[id(cache_ids)] = (weakref.ref(cache_ids), key, bits, table)
+    return bits, table
+
+
+def _check(status: int) -> None:
+    if status:
+        raise MemoryError("the C lookup could not allocate its scratch rows")
+
+
+class NativeLookup(torch.autograd.Function):
+    """``apply(sparse, cache_sparse, order, width, ids, cache_ids, cache_weight, *cores,
+    *gates)`` (``order`` cores, ``order - 1`` gates or none):
+    rows ``(len(ids), width)``, the cache's ``cache_weight[slot]`` for ids in ``cache_ids``
+    (sorted; ``None``: no cache), the chain's for the others. ``sparse``: the cores'
+    gradients are sparse (one flag, or one per core), as :class:`.gathered.CachedChain`'s."""
+
+    @staticmethod
+    @_without_autocast
+    def forward(ctx, sparse: bool | Sequence[bool], cache_sparse: bool, order: int,
+                width: int, ids: Tensor, cache_ids: Tensor | None, cache_weight: Tensor | None,
+                *tensors: Tensor) -> Tensor:
+        lib = _library()
+        cores, gates = [c.contiguous() for c in tensors[:order]], tensors[order:]
+        gates = [g.contiguous() for g in gates]
+        ids = ids.contiguous().long()
+        count, dtype = ids.numel(), cores[0].dtype
+        modes, cols, ranks = _shape(cores)
+        if cache_ids is None:
+            hits = 0
+            hit_pos = hit_slot = miss_pos = ids.new_empty(0)
+        else:
+            bits, index = cache_index(cache_ids)
+            hit_pos, hit_slot, miss_pos = (ids.new_empty(count) for _ in range(3))
+            hits = lib.comera_tt_split(count, ids.data_ptr(), bits, index.data_ptr(),
+                                       hit_pos.data_ptr(), hit_slot.data_ptr(),
+                                       miss_pos.data_ptr())
+            hit_pos, hit_slot, miss_pos = hit_pos[:hits], hit_slot[:hits], miss_pos[:count - hits]
+        misses = count - hits
+        positions = miss_pos.data_ptr() if cache_ids is not None else None
+        digits = ids.new_empty(order, misses)
+        lib.comera_tt_digits(misses, ids.data_ptr(), positions, order, modes, digits.data_ptr(),
+                             misses)
+        out = cores[0].new_empty(count, width)
+        kernel = getattr(lib, f"comera_tt_rows_{_TYPES[dtype]}")
+        weight = None if cache_weight is None else cache_weight.contiguous()
+        _check(kernel(torch.get_num_threads(), width, out.data_ptr(), hits, hit_pos.data_ptr(), hit_slot.data_ptr(),
+                      None if weight is None else weight.data_ptr(), misses, positions,
+                      digits.data_ptr(), misses, order, cols, ranks, _pointers(cores),
+                      _pointers(gates) if gates else None))
+        ctx.save_for_backward(hit_pos, hit_slot, miss_pos, digits, *cores, *gates)
+        ctx.order, ctx.width, ctx.cached = order, width, cache_ids is not None
+        ctx.sparse, ctx.cache_sparse = per_core(sparse, order), cache_sparse
+        ctx.weight = None if weight is None else (weight.shape, weight.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    @_without_autocast
+    def backward(ctx, grad: Tensor):
+        lib, order = _library(), ctx.order
+        hit_pos, hit_slot, miss_pos, digits, *tensors = ctx.saved_tensors
+        cores, gates = tensors[:order], tensors[order:]
+        dtype = cores[0].dtype
+        grad = grad.to(dtype).contiguous()
+        hits, misses = hit_pos.numel(), digits.shape[1]
+        wants = ctx.needs_input_grad
+        hit_grad = grad.new_empty(hits, ctx.width) if ctx.weight and wants[6] else None
+        wants_cores = wants[7:7 + order]
+        dense = [c.new_zeros(c.shape) if want and not sparse else None
+                 for c, want, sparse in zip(cores, wants_cores, ctx.sparse)]
+        rows = [c.new_empty(misses, c[0].numel()) if want and sparse else None
+                for c, want, sparse in zip(cores, wants_cores, ctx.sparse)]
+        wants_gates = any(wants[7 + order:])
+        gate_grad = grad.new_zeros(sum(g.numel() for g in gates), dtype=torch.float64) \
+            if wants_gates else None
+        modes, cols, ranks = _shape(cores)
+        kernel = getattr(lib, f"comera_tt_grads_{_TYPES[dtype]}")
+        _check(kernel(torch.get_num_threads(), ctx.width, grad.data_ptr(), hits,
+                      hit_pos.data_ptr(), None if hit_grad is None else hit_grad.data_ptr(),
+                      misses, miss_pos.data_ptr() if ctx.cached else None, digits.data_ptr(),
+                      misses, order, modes, cols, ranks, _pointers(cores), _pointers(gates) if gates else None,
+                      _pointers(dense), _pointers(rows),
+                      None if gate_grad is None else gate_grad.data_ptr()))
+        grad_weight = None
+        if hit_grad is not None:
+            shape, weight_dtype = ctx.weight
+            grad_weight = rows_gradient(hit_grad.to(weight_dtype), hit_slot, shape,
+                                        ctx.cache_sparse)
+        grad_cores = [d if d is not None else (
+            None if r is None else rows_gradient(r, digits[k], cores[k].shape, True))
+            for k, (d, r) in enumerate(zip(dense, rows))]
+        grad_gates = [None] * len(gates)
+        if gate_grad is not None:
+            grad_gates = [part.to(dtype) if want else None for part, want in zip(
+                gate_grad.split([g.numel() for g in gates]), wants[7 + order:])]
+        return None, None, None, None, None, None, grad_weight, *grad_cores, *grad_gates

@@ -1,0 +1,119 @@
+"""The C lookup of TT tables (planner.native_lookup): rows and every gradient equal the torch
+form's (planner.gathered), with and without a cache, gates, sparse or dense core gradients;
+gradients match finite differences; a table falls back to torch ops where it cannot run."""
+
+import pytest
+import torch
+
+from comera_compile.nn import TTEmbedding
+from comera_compile.nn.row_cache import split_by_cache
+from comera_compile.planner import native_lookup
+from comera_compile.planner.gathered import CachedChain
+from comera_compile.planner.lookup import mode_digits
+
+pytestmark = pytest.mark.skipif(not native_lookup.available(),
+                                reason="no C compiler to build the lookup")
+
+
+def _cores(row_modes, col_modes, ranks, dtype):
+    torch.manual_seed(0)
+    return [torch.randn(m, r, n, r2, dtype=dtype, requires_grad=True)
+            for m, n, r, r2 in zip(row_modes, col_modes, ranks[:-1], ranks[1:])]
+
+
+def _dense(grad):
+    return grad.to_dense() if grad is not None and grad.is_sparse else grad
+
+
+SHAPES = [((5, 4, 3), (2, 2, 4), (1, 3, 4, 1), 14),
+          ((7, 9), (4, 4), (1, 5, 1), 16),
+          ((3, 2, 2, 5), (2, 3, 1, 2), (1, 2, 6, 3, 1), 9),
+          ((11,), (6,), (1, 1), 5)]
+
+
+@pytest.mark.parametrize("row_modes,col_modes,ranks,width", SHAPES)
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_c_lookup_gives_the_torch_lookups_rows_and_gradients(row_modes, col_modes, ranks,
+                                                                  width, cached, sparse,
+                                                                  dtype):
+    cores = _cores(row_modes, col_modes, ranks, dtype)
+    gates = [torch.rand(r, dtype=dtype, requires_grad=True) + 0.5 for r in ranks[1:-1]]
+    rows = 1
+    for m in row_modes:
+        rows *= m
+    ids = torch.randint(0, rows, (300,))
+    ids[:5] = ids[5]  # repeats
+    cache_ids = torch.full((8,), -1)
+    chosen = torch.unique(ids)[: 6 if cached else 0]
+    cache_ids[8 - chosen.numel():] = chosen
+    weight = torch.randn(8, width, dtype=dtype, requires_grad=True)
+    slots, hits, misses = split_by_cache(cache_ids, ids)
+    digits = mode_digits(ids.index_select(0, misses), row_modes)
+    order = len(cores)
+    expected = CachedChain.apply(sparse, sparse, order, width, weight, slots, hits, misses,
+                                 *digits, *cores, *gates)
+    got = native_lookup.NativeLookup.apply(sparse, sparse, order, width, ids, cache_ids,
+                                           weight, *cores, *gates)
+    if not cached:  # no cache at all, rather than one nothing hits
+        expected_free = native_lookup.NativeLookup.apply(sparse, sparse, order, width, ids,
+                                                         None, None, *cores, *gates)
+        torch.testing.assert_close(expected_free, expected)
+    torch.testing.assert_close(got, expected)
+    upstream = torch.randn_like(got)
+    leaves = [weight, *cores, *gates]
+    want = torch.autograd.grad((expected * upstream).sum(), leaves, allow_unused=True)
+    have = torch.autograd.grad((got * upstream).sum(), leaves, allow_unused=True)
+    for w, h, leaf in zip(want, have, leaves):
+        assert (w is None) == (h is None)
+        if w is not None:
+            assert h.is_sparse == w.is_sparse, leaf.shape
+            # float32: gradients summed over 300 ids in another order
+            tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
+            torch.testing.assert_close(_dense(h), _dense(w), **tol)
+
+
+def test_the_c_lookups_gradients_match_finite_differences():
+    cores = _cores((3, 4, 2), (2, 3, 2), (1, 2, 3, 1), torch.float64)
+    gates = [torch.rand(r, dtype=torch.float64, requires_grad=True) + 0.5 for r in (2, 3)]
+    weight = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([0, 5, 23, 5, 17, 2, 11, 23])
+    cache_ids = torch.tensor([-1, -1, 5, 11])
+
+    def rows(weight, *tensors):
+        return native_lookup.NativeLookup.apply(False, False, 3, 10, ids, cache_ids, weight,
+                                                *tensors)
+
+    assert torch.autograd.gradcheck(rows, (weight, *cores, *gates))
+
+
+def test_a_table_looks_up_in_c_and_without_it_the_same_rows_and_gradients(monkeypatch):
+    torch.manual_seed(0)
+    table = TTEmbedding(1000, 12, ranks=4, mode="sum", sparse=True, cache_rows=16)
+    table.fill_cache(torch.arange(0, 1000, 7))
+    ids = torch.randint(0, 1000, (64, 3))
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(native_lookup, "usable", lambda *a, native=native, **k: native)
+        table.zero_grad(set_to_none=True)
+        out = table(ids)
+        (out * torch.arange(12.0)).sum().backward()
+        runs.append((out.detach(), [_dense(p.grad) for p in table.parameters()]))
+    (out_c, grads_c), (out_t, grads_t) = runs
+    torch.testing.assert_close(out_c, out_t)
+    for c, t in zip(grads_c, grads_t):
+        assert (c is None) == (t is None)
+        if c is not None:
+            torch.testing.assert_close(c, t)
+
+
+def test_lookups_the_c_loop_cannot_run_fall_back_to_torch_ops():
+    cores = _cores((4, 4), (2, 2), (1, 3, 1), torch.float32)
+    ids = torch.arange(8)
+    assert native_lookup.usable(ids, cores, row_macs=12)
+    assert not native_lookup.usable(ids, [c.to(torch.bfloat16) for c in cores], row_macs=12)
+    assert not native_lookup.usable(ids, cores, row_macs=native_lookup.MAX_ROW_MACS + 1)
+    assert not native_lookup.usable(ids, [c.to("meta") for c in cores], row_macs=12)
+    half = torch.randn(4, 2, dtype=torch.float64)
+    assert not native_lookup.usable(ids, cores, row_macs=12, cache_weight=half)
