@@ -81,7 +81,7 @@ def _library() -> ctypes.CDLL | None:
     lib.comera_tt_index.restype = None
     lib.comera_tt_index.argtypes = [i64, ptr, ctypes.c_int, ptr]
     lib.comera_tt_split.restype = i64
-    lib.comera_tt_split.argtypes = [i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
+    lib.comera_tt_split.argtypes = [ctypes.c_int, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
     lib.comera_tt_digits.restype = None
     lib.comera_tt_digits.argtypes = [i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64]
     for suffix in _TYPES.values():
@@ -180,7 +180,7 @@ class NativeLookup(torch.autograd.Function):
         cores, gates = [c.contiguous() for c in tensors[:order]], tensors[order:]
         gates = [g.contiguous() for g in gates]
         ids = ids.contiguous().long()
-        count, dtype = ids.numel(), cores[0].dtype
+        count, dtype, threads = ids.numel(), cores[0].dtype, torch.get_num_threads()
         modes, cols, ranks = _shape(cores)
         if cache_ids is None:
             hits = 0
@@ -188,7 +188,7 @@ class NativeLookup(torch.autograd.Function):
         else:
             bits, index = cache_index(cache_ids)
             hit_pos, hit_slot, miss_pos = (ids.new_empty(count) for _ in range(3))
-            hits = lib.comera_tt_split(count, ids.data_ptr(), bits, index.data_ptr(),
+            hits = lib.comera_tt_split(threads, count, ids.data_ptr(), bits, index.data_ptr(),
                                        hit_pos.data_ptr(), hit_slot.data_ptr(),
                                        miss_pos.data_ptr())
             hit_pos, hit_slot, miss_pos = hit_pos[:hits], hit_slot[:hits], miss_pos[:count - hits]
@@ -200,8 +200,9 @@ class NativeLookup(torch.autograd.Function):
         out = cores[0].new_empty(count, width)
         kernel = getattr(lib, f"comera_tt_rows_{_TYPES[dtype]}")
         weight = None if cache_weight is None else cache_weight.contiguous()
-        _check(kernel(torch.get_num_threads(), width, out.data_ptr(), hits, hit_pos.data_ptr(), hit_slot.data_ptr(),
-                      None if weight is None else weight.data_ptr(), misses, positions,
+        _check(kernel(threads, width, out.data_ptr(), hits, hit_pos.data_ptr(),
+                      hit_slot.data_ptr(), None if weight is None else weight.data_ptr(),
+                      misses, positions,
                       digits.data_ptr(), misses, order, cols, ranks, _pointers(cores),
                       _pointers(gates) if gates else None))
         ctx.save_for_backward(hit_pos, hit_slot, miss_pos, digits, *cores, *gates)
@@ -235,8 +236,8 @@ class NativeLookup(torch.autograd.Function):
         _check(kernel(torch.get_num_threads(), ctx.width, grad.data_ptr(), hits,
                       hit_pos.data_ptr(), None if hit_grad is None else hit_grad.data_ptr(),
                       misses, miss_pos.data_ptr() if ctx.cached else None, digits.data_ptr(),
-                      misses, order, modes, cols, ranks, _pointers(cores), _pointers(gates) if gates else None,
-                      _pointers(dense), _pointers(rows),
+                      misses, order, modes, cols, ranks, _pointers(cores),
+                      _pointers(gates) if gates else None, _pointers(dense), _pointers(rows),
                       None if gate_grad is None else gate_grad.data_ptr()))
         grad_weight = None
         if hit_grad is not None:

@@ -40,17 +40,26 @@ void comera_tt_index(int64_t rows, const int64_t *cache_ids, int bits, int64_t *
 }
 
 /* Positions of the ids the cache holds (hit_pos, their slots hit_slot) and of the others
-   (miss_pos), each in ids order, through comera_tt_index's table; returns the hits. */
-int64_t comera_tt_split(int64_t n_ids, const int64_t *ids, int bits, const int64_t *table,
-                        int64_t *hit_pos, int64_t *hit_slot, int64_t *miss_pos) {
-    int64_t hits = 0, misses = 0, mask = ((int64_t)1 << bits) - 1;
+   (miss_pos), each in ids order, through comera_tt_index's table; returns the hits. The
+   probes run on `threads` threads (each id's slot, or -1, into hit_slot), the compaction on
+   one (a write never passes the read it follows). */
+int64_t comera_tt_split(int threads, int64_t n_ids, const int64_t *ids, int bits,
+                        const int64_t *table, int64_t *hit_pos, int64_t *hit_slot,
+                        int64_t *miss_pos) {
+    int64_t mask = ((int64_t)1 << bits) - 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n_ids; ++i) {
         if (i + AHEAD < n_ids) __builtin_prefetch(table + 2 * comera_bucket(ids[i + AHEAD], bits));
         int64_t id = ids[i], b = comera_bucket(id, bits);
         while (table[2 * b] != id && table[2 * b] != -1) b = (b + 1) & mask;
-        if (table[2 * b] == id) {
+        hit_slot[i] = table[2 * b] == id ? table[2 * b + 1] : -1;
+    }
+    int64_t hits = 0, misses = 0;
+    for (int64_t i = 0; i < n_ids; ++i) {
+        int64_t slot = hit_slot[i];
+        if (slot >= 0) {
             hit_pos[hits] = i;
-            hit_slot[hits++] = table[2 * b + 1];
+            hit_slot[hits++] = slot;
         } else {
             miss_pos[misses++] = i;
         }
