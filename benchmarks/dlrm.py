@@ -62,6 +62,7 @@ from dlrm_model import (  # noqa: E402
 import comera_compile as cc  # noqa: E402
 from benchmarks._results import write_results  # noqa: E402
 from comera_compile.cli.machine import describe_machine  # noqa: E402
+from comera_compile.planner import native_lookup  # noqa: E402
 
 HELD_OUT_SEED = 10**9
 LARGEST_FOUR = sorted(CRITEO_KAGGLE_CARDINALITIES, reverse=True)[:4]
@@ -305,6 +306,9 @@ def main() -> None:
         f"{args.warmup}), held-out {args.held_out:,}, {args.threads} thread(s), "
         f"{args.rounds} process(es) per row run in turn; SGD at {args.lr:g} (TT cores "
         f"{args.core_lr:g}), tables start at std {args.table_std:g}",
+        "TT lookups: " + ("in C (planner.native_lookup), on torch's threads"
+                          if native_lookup.available() else
+                          "as torch ops (the C lookup could not be built here)"),
     ]
     for ids in args.ids.split(","):
         data = _data(ids, cards, args.bag)
