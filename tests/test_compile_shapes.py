@@ -250,5 +250,5 @@ def test_hugging_face_t5_with_a_tt_embedding_trains_compiled_across_batch_sizes(
         proj = torch.randn(want.shape[-1])
         g_want = torch.autograd.grad((want @ proj).square().mean(), list(model.parameters()))
         g_got = torch.autograd.grad((got @ proj).square().mean(), list(compiled.parameters()))
-        for a, b in zip(g_got, g_want):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+        for a, b in zip(g_got, g_want):  # eager lookups sum in C, in another order
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=5e-5)
