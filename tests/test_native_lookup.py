@@ -117,3 +117,24 @@ def test_lookups_the_c_loop_cannot_run_fall_back_to_torch_ops():
     assert not native_lookup.usable(ids, [c.to("meta") for c in cores], row_macs=12)
     half = torch.randn(4, 2, dtype=torch.float64)
     assert not native_lookup.usable(ids, cores, row_macs=12, cache_weight=half)
+
+
+def test_two_libraries_loaded_from_memory_stay_two(tmp_path, monkeypatch):
+    """Each library is loaded from its own in-memory file: a path the loader has seen (a
+    reused /proc/self/fd/N) would hand back the library loaded first."""
+    import os
+
+    from comera_compile.planner import native
+
+    monkeypatch.setenv("COMERA_CACHE_DIR", str(tmp_path / "cache"))
+    libraries = []
+    for value in (1, 2):
+        source = tmp_path / f"lib{value}.c"
+        source.write_text(f"int value_{value}(void) {{ return {value}; }}\n")
+        command = lambda target, source=source: [os.environ.get("CC", "cc"), "-shared",  # noqa: E731
+                                                 "-fPIC", str(source), "-o", str(target)]
+        libraries.append(native.load(f"test{value}", native.build(f"test{value}", source,
+                                                                  command)))
+    assert libraries[0].value_1() == 1
+    assert libraries[1].value_2() == 2
+    assert not hasattr(libraries[1], "value_1")

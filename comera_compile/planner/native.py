@@ -110,14 +110,22 @@ def build(name: str, source: Path, command: Callable[[Path], list[str]],
     return data
 
 
+_held_fds: list[int] = []
+
+
 def load(name: str, data: bytes) -> ctypes.CDLL:
-    """Load a library from an anonymous in-memory file holding exactly ``data``."""
+    """Load a library from an anonymous in-memory file holding exactly ``data``. The file
+    stays open for the process: the loader knows a library by its path, so a second library
+    loaded from a reused ``/proc/self/fd/N`` would be handed the first one."""
     fd = os.memfd_create(f"comera_{name}", 0)
     try:
         os.write(fd, data)
-        return ctypes.CDLL(f"/proc/self/fd/{fd}")
-    finally:
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+    except BaseException:
         os.close(fd)
+        raise
+    _held_fds.append(fd)
+    return lib
 
 
 def can_load() -> bool:
