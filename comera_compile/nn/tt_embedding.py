@@ -4,6 +4,7 @@ backward is table-sized."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -123,11 +124,12 @@ class TTEmbedding(TensorizedLayer):
         return self.declared_sparse and not (
             torch.distributed.is_available() and torch.distributed.is_initialized())
 
-    def sparse_cores(self) -> tuple[bool, ...]:
+    def sparse_cores(self, cores: Sequence[Tensor] | None = None) -> tuple[bool, ...]:
         """Whether each core's gradient is sparse: where ``sparse_gradients``, the cores of at
-        least ``SPARSE_CORE_MIN`` entries."""
+        least ``SPARSE_CORE_MIN`` entries (``cores``: the table's, listed already)."""
         sparse = self.sparse_gradients
-        return tuple(sparse and core.numel() >= SPARSE_CORE_MIN for core in self.cores)
+        return tuple(sparse and core.numel() >= SPARSE_CORE_MIN
+                     for core in (self.cores if cores is None else cores))
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients are sparse (for an optimizer that splits sparse
@@ -139,7 +141,14 @@ class TTEmbedding(TensorizedLayer):
     @property
     def row_macs(self) -> int:
         """Multiply-adds one row costs to build from the cores (at the ranks of now)."""
-        return chain_costs(self.row_modes, self.col_modes, self.ranks, 1)[0]
+        return self._chain()[1]
+
+    def _chain(self) -> tuple[list[Tensor], int]:
+        """The cores, listed, and the multiply-adds a row costs to build from them (a lookup
+        reads both; a ``ParameterList`` is slow to walk)."""
+        cores = list(self.cores)
+        ranks = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
+        return cores, _row_macs(tuple(self.row_modes), tuple(self.col_modes), ranks)
 
     @property
     def dedups(self) -> bool:
@@ -272,9 +281,9 @@ class TTEmbedding(TensorizedLayer):
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
         gates = [hard_threshold(g, self.threshold) for g in self.gates]
-        sparse = self.sparse_cores() if torch.is_grad_enabled() else False
-        cores = list(self.cores)
-        if native_lookup.usable(ids, cores, self.row_macs):  # one C call each way
+        cores, macs = self._chain()
+        sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
+        if native_lookup.usable(ids, cores, macs):  # one C call each way
             gates = [g.to(cores[0].dtype) for g in gates]
             return NativeLookup.apply(sparse, False, len(cores), self.embedding_dim, ids, None,
                                       None, *cores, *gates)
@@ -290,13 +299,12 @@ class TTEmbedding(TensorizedLayer):
     def _rows(self, ids: Tensor) -> Tensor:
         """The rows of ``ids``: a cached table's hits read from the cache, its misses built
         from the cores; no id reads both."""
-        cores = list(self.cores)
-        dtype = cores[0].dtype
         if self.cache is None:
-            return self._core_rows(ids).to(dtype)
-        cache = self.cache
-        sparse = self.sparse_cores() if torch.is_grad_enabled() else False
-        if native_lookup.usable(ids, cores, self.row_macs, cache.weight):  # one C call each way
+            return self._core_rows(ids).to(self.cores[0].dtype)
+        cores, macs = self._chain()
+        dtype, cache = cores[0].dtype, self.cache
+        sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
+        if native_lookup.usable(ids, cores, macs, cache.weight):  # one C call each way
             gates = [hard_threshold(g, self.threshold).to(dtype) for g in self.gates]
             return NativeLookup.apply(sparse, cache.sparse, len(cores), self.embedding_dim, ids,
                                       cache.ids, cache.weight, *cores, *gates)
@@ -314,8 +322,8 @@ class TTEmbedding(TensorizedLayer):
                 per_sample_weights: Tensor | None = None) -> Tensor:
         """Rows like ``nn.Embedding``, or pooled bags like ``nn.EmbeddingBag`` (2-d ``input``
         of fixed-size bags, or 1-d ``input`` with ``offsets``)."""
-        if self.cache is not None:  # which ids hit is data: eager even when compiled
-            return _eager_forward(self, input, offsets, per_sample_weights)
+        if self.cache is not None and torch.compiler.is_compiling():
+            return _eager_forward(self, input, offsets, per_sample_weights)  # hits are data
         return self._forward(input, offsets, per_sample_weights)
 
     def _forward(self, input: Tensor, offsets: Tensor | None,
@@ -491,6 +499,12 @@ class TTEmbedding(TensorizedLayer):
     def extra_repr(self) -> str:
         bag = f", mode={self.mode!r}" if self.mode else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_macs(row_modes: tuple[int, ...], col_modes: tuple[int, ...],
+              ranks: tuple[int, ...]) -> int:
+    return chain_costs(row_modes, col_modes, ranks, 1)[0]
 
 
 @torch._disable_dynamo  # torch.compiler.disable, with dynamo imported on first call, not at import

@@ -129,12 +129,18 @@ def _pointers(tensors: Sequence[Tensor | None]):
                                               for t in tensors])
 
 
+_shapes: dict[tuple, tuple] = {}  # core shapes -> the kernel's m, n and r arrays
+
+
 def _shape(cores: Sequence[Tensor]) -> tuple:
     """The kernel's ``m``, ``n`` and ``r`` arrays for slices-first cores."""
-    modes = _int64s([c.shape[0] for c in cores])
-    cols = _int64s([c.shape[2] for c in cores])
-    ranks = _int64s([cores[0].shape[1], *(c.shape[3] for c in cores)])
-    return modes, cols, ranks
+    key = tuple(c.shape for c in cores)
+    arrays = _shapes.get(key)
+    if arrays is None:
+        arrays = _shapes[key] = (_int64s([c.shape[0] for c in cores]),
+                                 _int64s([c.shape[2] for c in cores]),
+                                 _int64s([cores[0].shape[1], *(c.shape[3] for c in cores)]))
+    return arrays
 
 
 _indexes: dict[int, tuple] = {}  # id(cache_ids) -> (its weakref, key, bits, table)
@@ -187,7 +193,7 @@ class NativeLookup(torch.autograd.Function):
             hit_pos = hit_slot = miss_pos = ids.new_empty(0)
         else:
             bits, index = cache_index(cache_ids)
-            hit_pos, hit_slot, miss_pos = (ids.new_empty(count) for _ in range(3))
+            hit_pos, hit_slot, miss_pos = ids.new_empty(3, count)  # one allocation
             hits = lib.comera_tt_split(threads, count, ids.data_ptr(), bits, index.data_ptr(),
                                        hit_pos.data_ptr(), hit_slot.data_ptr(),
                                        miss_pos.data_ptr())
@@ -248,7 +254,7 @@ class NativeLookup(torch.autograd.Function):
             None if r is None else rows_gradient(r, digits[k], cores[k].shape, True))
             for k, (d, r) in enumerate(zip(dense, rows))]
         grad_gates = [None] * len(gates)
-        if gate_grad is not None:
-            grad_gates = [part.to(dtype) if want else None for part, want in zip(
-                gate_grad.split([g.numel() for g in gates]), wants[7 + order:])]
+        if gate_grad is not None:  # one conversion, split into views
+            grad_gates = [part if want else None for part, want in zip(
+                gate_grad.to(dtype).split([g.numel() for g in gates]), wants[7 + order:])]
         return None, None, None, None, None, None, grad_weight, *grad_cores, *grad_gates
