@@ -154,9 +154,10 @@ class TTEmbedding(TensorizedLayer):
     def dedups(self) -> bool:
         """Whether a lookup builds each distinct id's row once: ``dedup`` where set, else
         where a row costs more than ``DEDUP_MIN_MACS`` multiply-adds to build."""
-        if self.dedup is not None:
-            return self.dedup
-        return self.row_macs > DEDUP_MIN_MACS
+        return self._dedups(self.row_macs)
+
+    def _dedups(self, row_macs: int) -> bool:
+        return self.dedup if self.dedup is not None else row_macs > DEDUP_MIN_MACS
 
     @property
     def lookup_outgrows_rows(self) -> bool:
@@ -296,12 +297,12 @@ class TTEmbedding(TensorizedLayer):
             rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates, sparse)
         return rows[:, : self.embedding_dim]
 
-    def _rows(self, ids: Tensor) -> Tensor:
+    def _rows(self, ids: Tensor, chain: tuple[list[Tensor], int] | None = None) -> Tensor:
         """The rows of ``ids``: a cached table's hits read from the cache, its misses built
-        from the cores; no id reads both."""
+        from the cores; no id reads both (``chain``: ``_chain()``, if read already)."""
         if self.cache is None:
             return self._core_rows(ids).to(self.cores[0].dtype)
-        cores, macs = self._chain()
+        cores, macs = self._chain() if chain is None else chain
         dtype, cache = cores[0].dtype, self.cache
         sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
         if native_lookup.usable(ids, cores, macs, cache.weight):  # one C call each way
@@ -338,7 +339,8 @@ class TTEmbedding(TensorizedLayer):
         if self.cache is not None and self.training and self.cache_warmup and (
                 not self.cache_filled):
             self._count_warmup(flat)
-        dedup = self.dedups
+        chain = self._chain()  # listed once per call: a ParameterList is slow to walk
+        dedup = self._dedups(chain[1])
         if dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
         elif dedup and isinstance(flat.numel(), int) and self.num_embeddings <= flat.numel():
@@ -348,7 +350,7 @@ class TTEmbedding(TensorizedLayer):
             ids, index = torch.arange(self.num_embeddings, device=flat.device), flat
         else:
             ids, index = flat, None  # each id's own row, in order
-        table = self._rows(ids)  # in the cores' dtype, as nn.Embedding in autocast
+        table = self._rows(ids, chain)  # in the cores' dtype, as nn.Embedding in autocast
         if index is None:
             if self.mode is None:
                 # the rows are the output: no gather, and no index of the ids' count, whose

@@ -232,13 +232,12 @@ class NativeLookup(torch.autograd.Function):
         wants = ctx.needs_input_grad
         hit_grad = grad.new_empty(hits, ctx.width) if ctx.weight and wants[6] else None
         wants_cores = wants[7:7 + order]
-        dense = [c.new_zeros(c.shape) if want and not sparse else None
+        dense = [c.new_empty(c.shape) if want and not sparse else None  # written whole
                  for c, want, sparse in zip(cores, wants_cores, ctx.sparse)]
         rows = [c.new_empty(misses, c[0].numel()) if want and sparse else None
                 for c, want, sparse in zip(cores, wants_cores, ctx.sparse)]
         wants_gates = any(wants[7 + order:])
-        gate_grad = grad.new_zeros(sum(g.numel() for g in gates), dtype=torch.float64) \
-            if wants_gates else None
+        gate_grad = grad.new_empty(sum(g.numel() for g in gates)) if wants_gates else None
         modes, cols, ranks = _shape(cores)
         kernel = getattr(lib, f"comera_tt_grads_{_TYPES[dtype]}")
         _check(kernel(torch.get_num_threads(), ctx.width, grad.data_ptr(), hits,
@@ -256,7 +255,7 @@ class NativeLookup(torch.autograd.Function):
             None if r is None else rows_gradient(r, digits[k], cores[k].shape, True))
             for k, (d, r) in enumerate(zip(dense, rows))]
         grad_gates = [None] * len(gates)
-        if gate_grad is not None:  # one conversion, split into views
+        if gate_grad is not None:  # summed in double, written in the cores' dtype
             grad_gates = [part if want else None for part, want in zip(
-                gate_grad.to(dtype).split([g.numel() for g in gates]), wants[7 + order:])]
+                gate_grad.split([g.numel() for g in gates]), wants[7 + order:])]
         return None, None, None, None, None, None, grad_weight, *grad_cores, *grad_gates

@@ -221,16 +221,17 @@ static void NAME(row_grads)(int order, const int64_t *n, const int64_t *r, const
 
 /* Gradients for grad (n_ids, width) of comera_tt_rows' rows, on `threads` threads.
    hit_grad (n_hits, width), if given: the hits' rows of grad. For each core k:
-   core_grad[k], if given, a zeroed core the slices' gradients are added into; else
+   core_grad[k], if given, a core written with the slices' gradients (summed); else
    core_rows[k], if given, (n_misses, slice) the j-th miss's slice gradient; gate_grad, if
-   given, (sum of r[1..order-1]) added into. Threads add into private copies of core_grad
-   and gate_grad, summed at the end. Returns 0, or -1 where scratch memory could not be had. */
+   given, (sum of r[1..order-1]) written with the gates' (summed in double). Threads add
+   into private copies of core_grad and of the gates' sums, added up at the end. Returns 0,
+   or -1 where scratch memory could not be had. */
 int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t n_hits,
                           const int64_t *hit_pos, REAL *hit_grad, int64_t n_misses,
                           const int64_t *miss_pos, const int64_t *digits, int64_t stride,
                           int order, const int64_t *m, const int64_t *n, const int64_t *r,
                           const REAL *const *cores, const REAL *const *gates,
-                          REAL *const *core_grad, REAL *const *core_rows, double *gate_grad) {
+                          REAL *const *core_grad, REAL *const *core_rows, REAL *gate_out) {
     int64_t at[64], gate_at[64], size[64], widest = 0, full = 1, gate_total = 0;
     int64_t total = NAME(layout)(order, n, r, at);
     for (int k = 0; k < order; ++k) {
@@ -239,6 +240,10 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
         size[k] = m[k] * r[k] * n[k] * r[k + 1];
         if (k) { gate_at[k - 1] = gate_total; gate_total += r[k]; }
     }
+    for (int k = 0; k < order; ++k)
+        if (core_grad && core_grad[k]) memset(core_grad[k], 0, size[k] * sizeof(REAL));
+    double *gate_grad = gate_out ? calloc(gate_total ? gate_total : 1, sizeof(double)) : NULL;
+    if (gate_out && !gate_grad) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -298,6 +303,8 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
         }
         free(scratch);
     }
+    for (int64_t i = 0; gate_out && i < gate_total; ++i) gate_out[i] = (REAL)gate_grad[i];
+    free(gate_grad);
     return failed ? -1 : 0;
 }
 
