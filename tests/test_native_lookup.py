@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from comera_compile.nn import TTEmbedding
+from comera_compile.nn.gates import hard_threshold
 from comera_compile.nn.row_cache import split_by_cache
 from comera_compile.planner import native_lookup
-from comera_compile.planner.gathered import CachedChain
+from comera_compile.planner.gathered import CachedChain, GatheredChain
 from comera_compile.planner.lookup import mode_digits
 
 pytestmark = pytest.mark.skipif(not native_lookup.available(),
@@ -54,18 +55,18 @@ def test_the_c_lookup_gives_the_torch_lookups_rows_and_gradients(row_modes, col_
     order = len(cores)
     expected = CachedChain.apply(sparse, sparse, order, width, weight, slots, hits, misses,
                                  *digits, *cores, *gates)
-    got = native_lookup.NativeLookup.apply(sparse, sparse, order, width, ids, cache_ids,
-                                           weight, *cores, *gates)
+    got = native_lookup.NativeLookup.apply(sparse, sparse, order, width, rows, 0.0, ids,
+                                           cache_ids, weight, *cores, *gates)
     if not cached:  # no cache at all, rather than one nothing hits
-        expected_free = native_lookup.NativeLookup.apply(sparse, sparse, order, width, ids,
-                                                         None, None, *cores, *gates)
+        expected_free = native_lookup.NativeLookup.apply(sparse, sparse, order, width, rows,
+                                                         0.0, ids, None, None, *cores, *gates)
         torch.testing.assert_close(expected_free, expected)
     torch.testing.assert_close(got, expected)
     upstream = torch.randn_like(got)
     leaves = [weight, *cores, *gates]
     want = torch.autograd.grad((expected * upstream).sum(), leaves, allow_unused=True)
     have = torch.autograd.grad((got * upstream).sum(), leaves, allow_unused=True)
-    for w, h, leaf in zip(want, have, leaves):
+    for w, h, leaf in zip(want, have, leaves, strict=True):
         assert (w is None) == (h is None)
         if w is not None:
             assert h.is_sparse == w.is_sparse, leaf.shape
@@ -82,10 +83,44 @@ def test_the_c_lookups_gradients_match_finite_differences():
     cache_ids = torch.tensor([-1, -1, 5, 11])
 
     def rows(weight, *tensors):
-        return native_lookup.NativeLookup.apply(False, False, 3, 10, ids, cache_ids, weight,
-                                                *tensors)
+        return native_lookup.NativeLookup.apply(False, False, 3, 10, 24, 0.0, ids, cache_ids,
+                                                weight, *tensors)
 
     assert torch.autograd.gradcheck(rows, (weight, *cores, *gates))
+
+
+def test_gates_at_or_under_the_threshold_switch_their_bond_off_with_no_gradient():
+    cores = _cores((5, 6), (4, 4), (1, 4, 1), torch.float64)
+    gate = torch.tensor([0.5, 0.004, -0.3, -0.01], dtype=torch.float64, requires_grad=True)
+    ids = torch.arange(30)
+    got = native_lookup.NativeLookup.apply(False, False, 2, 16, 30, 0.01, ids, None, None,
+                                           *cores, gate)
+    digits = mode_digits(ids, (5, 6))
+    shrunk = hard_threshold(gate, 0.01)
+    want = GatheredChain.apply(False, 2, *digits, *cores, shrunk).reshape(30, 16)
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn_like(got)
+    have = torch.autograd.grad((got * upstream).sum(), [gate, *cores])
+    expected = torch.autograd.grad((want * upstream).sum(), [gate, *cores])
+    for h, e in zip(have, expected):
+        torch.testing.assert_close(h, e)
+    assert have[0][1] == 0 and have[0][3] == 0 and have[0][0] != 0  # switched off: no gradient
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_ids_outside_the_table_are_refused_by_the_c_lookup(cached):
+    cores = _cores((4, 5), (2, 2), (1, 3, 1), torch.float32)
+    cache_ids = torch.tensor([-1, 2, 7]) if cached else None
+    weight = torch.randn(3, 4) if cached else None
+    for bad, shown in (([3, 20, 7], r"\[3, 20\]"), ([-1, 4], r"\[-1, 4\]")):
+        with pytest.raises(IndexError, match=r"ids must lie in \[0, 20\), got " + shown):
+            native_lookup.NativeLookup.apply(False, False, 2, 4, 20, 0.0, torch.tensor(bad),
+                                             cache_ids, weight, *cores)
+    table = TTEmbedding(20, 4, ranks=3, cache_rows=3 if cached else 0)
+    if cached:
+        table.fill_cache(torch.tensor([2, 7, 7]))
+    with pytest.raises(IndexError, match=r"\[0, 20\)"):
+        table(torch.tensor([[1, 20]]))
 
 
 def test_a_table_looks_up_in_c_and_without_it_the_same_rows_and_gradients(monkeypatch):

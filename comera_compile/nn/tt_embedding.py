@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -141,14 +142,20 @@ class TTEmbedding(TensorizedLayer):
     @property
     def row_macs(self) -> int:
         """Multiply-adds one row costs to build from the cores (at the ranks of now)."""
-        return self._chain()[1]
+        return self._chain().macs
 
-    def _chain(self) -> tuple[list[Tensor], int]:
-        """The cores, listed, and the multiply-adds a row costs to build from them (a lookup
-        reads both; a ``ParameterList`` is slow to walk)."""
+    def _chain(self) -> Chain:
+        """The cores and gates, listed, and the multiply-adds a row costs to build from them
+        (a lookup reads all three; a ``ParameterList`` is slow to walk)."""
         cores = list(self.cores)
         ranks = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
-        return cores, _row_macs(tuple(self.row_modes), tuple(self.col_modes), ranks)
+        macs = _row_macs(tuple(self.row_modes), tuple(self.col_modes), ranks)
+        return Chain(cores, list(self.gates), macs)
+
+    def _native(self, ids: Tensor, chain: Chain) -> bool:
+        """Whether a lookup of ``ids`` runs in C (``planner.native_lookup``)."""
+        weight = None if self.cache is None else self.cache.weight
+        return native_lookup.usable(ids, chain.cores, chain.macs, weight, chain.gates)
 
     @property
     def dedups(self) -> bool:
@@ -281,13 +288,14 @@ class TTEmbedding(TensorizedLayer):
         if torch.compiler.is_compiling():  # one op: planning stays out of the graph
             rows = planned_lookup(ids, self.gated_cores(), self.row_modes, self.col_modes)
             return rows[:, : self.embedding_dim]
-        gates = [hard_threshold(g, self.threshold) for g in self.gates]
-        cores, macs = self._chain()
+        chain = self._chain()
+        cores = chain.cores
         sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
-        if native_lookup.usable(ids, cores, macs):  # one C call each way
-            gates = [g.to(cores[0].dtype) for g in gates]
-            return NativeLookup.apply(sparse, False, len(cores), self.embedding_dim, ids, None,
-                                      None, *cores, *gates)
+        if native_lookup.usable(ids, cores, chain.macs, None, chain.gates):  # a C call each way
+            return NativeLookup.apply(sparse, False, len(cores), self.embedding_dim,
+                                      self.num_embeddings, self.threshold, ids, None, None,
+                                      *cores, *chain.gates)
+        gates = [hard_threshold(g, self.threshold) for g in chain.gates]
         if self.recompute_lookup and torch.is_grad_enabled():
             # one checkpoint per block of ids: backward rebuilds one block's products at once
             rows = torch.cat([checkpoint(self.plan_for(part.numel()).lookup, part,
@@ -297,18 +305,18 @@ class TTEmbedding(TensorizedLayer):
             rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates, sparse)
         return rows[:, : self.embedding_dim]
 
-    def _rows(self, ids: Tensor, chain: tuple[list[Tensor], int] | None = None) -> Tensor:
+    def _rows(self, ids: Tensor, chain: Chain | None = None) -> Tensor:
         """The rows of ``ids``: a cached table's hits read from the cache, its misses built
         from the cores; no id reads both (``chain``: ``_chain()``, if read already)."""
         if self.cache is None:
             return self._core_rows(ids).to(self.cores[0].dtype)
-        cores, macs = self._chain() if chain is None else chain
-        dtype, cache = cores[0].dtype, self.cache
+        chain = self._chain() if chain is None else chain
+        cores, dtype, cache = chain.cores, chain.cores[0].dtype, self.cache
         sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
-        if native_lookup.usable(ids, cores, macs, cache.weight):  # one C call each way
-            gates = [hard_threshold(g, self.threshold).to(dtype) for g in self.gates]
-            return NativeLookup.apply(sparse, cache.sparse, len(cores), self.embedding_dim, ids,
-                                      cache.ids, cache.weight, *cores, *gates)
+        if self._native(ids, chain):  # one C call each way
+            return NativeLookup.apply(sparse, cache.sparse, len(cores), self.embedding_dim,
+                                      self.num_embeddings, self.threshold, ids, cache.ids,
+                                      cache.weight, *cores, *chain.gates)
         slots, hits, misses = split_by_cache(cache.ids, ids)
         if self.recompute_lookup and torch.is_grad_enabled():  # the misses' rows rebuilt
             built = self._core_rows(ids.index_select(0, misses)).to(dtype)
@@ -333,14 +341,17 @@ class TTEmbedding(TensorizedLayer):
             raise TypeError(f"TTEmbedding expects integer ids, got {input.dtype}")
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("offsets / per_sample_weights need a bag layer (mode='sum'|'mean')")
-        flat = input.reshape(-1).long()
+        flat = input.reshape(-1)
+        flat = flat if flat.dtype == torch.int64 else flat.long()
         eager = host_reads_allowed()
-        self._check_ids(flat, eager)
-        if self.cache is not None and self.training and self.cache_warmup and (
-                not self.cache_filled):
-            self._count_warmup(flat)
         chain = self._chain()  # listed once per call: a ParameterList is slow to walk
-        dedup = self._dedups(chain[1])
+        counting = self.cache is not None and self.training and self.cache_warmup and (
+            not self.cache_filled)
+        if counting or not (eager and self._native(flat, chain)):
+            self._check_ids(flat, eager)  # the C lookup checks the ids it reads
+        if counting:
+            self._count_warmup(flat)
+        dedup = self._dedups(chain.macs)
         if dedup and eager:
             ids, index = torch.unique(flat, return_inverse=True)
         elif dedup and isinstance(flat.numel(), int) and self.num_embeddings <= flat.numel():
@@ -501,6 +512,14 @@ class TTEmbedding(TensorizedLayer):
     def extra_repr(self) -> str:
         bag = f", mode={self.mode!r}" if self.mode else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{bag}, {super().extra_repr()}"
+
+
+class Chain(NamedTuple):
+    """A table's cores and gates, listed, and what a row costs to build from them."""
+
+    cores: list[Tensor]
+    gates: list[Tensor]
+    macs: int
 
 
 @functools.lru_cache(maxsize=1024)

@@ -79,22 +79,19 @@ def _library() -> ctypes.CDLL | None:
         log.info("comera: the C lookup of TT tables could not be built (%s); lookups run as "
                  "torch ops", native.why_not(err))
         return None
-    i64, ptr, ptrs = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    i64, ptr, ptrs, num = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), \
+        ctypes.c_int
     lib.comera_tt_index.restype = None
-    lib.comera_tt_index.argtypes = [i64, ptr, ctypes.c_int, ptr]
-    lib.comera_tt_split.restype = i64
-    lib.comera_tt_split.argtypes = [ctypes.c_int, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
-    lib.comera_tt_digits.restype = None
-    lib.comera_tt_digits.argtypes = [i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64]
+    lib.comera_tt_index.argtypes = [i64, ptr, num, ptr]
     for suffix in _TYPES.values():
-        rows = getattr(lib, f"comera_tt_rows_{suffix}")
-        rows.restype = ctypes.c_int
-        rows.argtypes = [ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
-                         ctypes.c_int, ptr, ptr, ptrs, ptrs]
+        forward = getattr(lib, f"comera_tt_forward_{suffix}")
+        forward.restype = i64
+        forward.argtypes = [num, i64, ptr, i64, num, ptr, ptr, i64, ptr, ptr, num, ptr, ptr, ptr,
+                            ptrs, ptrs, ctypes.c_double]
         grads = getattr(lib, f"comera_tt_grads_{suffix}")
-        grads.restype = ctypes.c_int
-        grads.argtypes = [ctypes.c_int, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64,
-                          ctypes.c_int, ptr, ptr, ptr, ptrs, ptrs, ptrs, ptrs, ptr]
+        grads.restype = num
+        grads.argtypes = [num, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, num, ptr, ptr, ptr,
+                          ptrs, ptrs, ctypes.c_double, ptrs, ptrs, ptr]
     return lib
 
 
@@ -109,14 +106,14 @@ def _plain(t: Tensor, dtype: torch.dtype) -> bool:
 
 
 def usable(ids: Tensor, cores: Sequence[Tensor], row_macs: int,
-           cache_weight: Tensor | None = None) -> bool:
+           cache_weight: Tensor | None = None, gates: Sequence[Tensor] = ()) -> bool:
     """Whether this lookup can run in C: plain CPU tensors of one float type (32 or 64 bit)
     outside a compiled graph, rows cheap enough (``MAX_ROW_MACS``), the kernels built."""
     dtype = cores[0].dtype
     if (dtype not in _TYPES or len(cores) > MAX_ORDER or row_macs > MAX_ROW_MACS
             or torch.compiler.is_compiling()):
         return False
-    tensors = [*cores, *([] if cache_weight is None else [cache_weight])]
+    tensors = [*cores, *gates, *([] if cache_weight is None else [cache_weight])]
     if not all(_plain(t, dtype) for t in tensors) or not _plain(ids, ids.dtype):
         return False
     return available()
@@ -173,48 +170,42 @@ def _check(status: int) -> None:
 
 
 class NativeLookup(torch.autograd.Function):
-    """``apply(sparse, cache_sparse, order, width, ids, cache_ids, cache_weight, *cores,
-    *gates)`` (``order`` cores, ``order - 1`` gates or none):
+    """``apply(sparse, cache_sparse, order, width, limit, threshold, ids, cache_ids,
+    cache_weight, *cores, *gates)`` (``order`` cores, ``order - 1`` raw rank gates or none):
     rows ``(len(ids), width)``, the cache's ``cache_weight[slot]`` for ids in ``cache_ids``
-    (sorted; ``None``: no cache), the chain's for the others. ``sparse``: the cores'
-    gradients are sparse (one flag, or one per core), as :class:`.gathered.CachedChain`'s."""
+    (``None``: no cache), the chain's for the others, each gate entry of ``|g| <= threshold``
+    a zero (``nn.gates.hard_threshold``). Ids outside ``[0, limit)`` raise ``IndexError``.
+    ``sparse``: the cores' gradients are sparse (one flag, or one per core), as
+    :class:`.gathered.CachedChain`'s."""
 
     @staticmethod
     @_without_autocast
     def forward(ctx, sparse: bool | Sequence[bool], cache_sparse: bool, order: int,
-                width: int, ids: Tensor, cache_ids: Tensor | None, cache_weight: Tensor | None,
-                *tensors: Tensor) -> Tensor:
+                width: int, limit: int, threshold: float, ids: Tensor, cache_ids: Tensor | None,
+                cache_weight: Tensor | None, *tensors: Tensor) -> Tensor:
         lib = _library()
-        cores, gates = [c.contiguous() for c in tensors[:order]], tensors[order:]
-        gates = [g.contiguous() for g in gates]
+        cores = [c.contiguous() for c in tensors[:order]]
+        gates = [g.contiguous() for g in tensors[order:]]
         ids = ids.contiguous().long()
-        count, dtype, threads = ids.numel(), cores[0].dtype, torch.get_num_threads()
+        count, dtype = ids.numel(), cores[0].dtype
         modes, cols, ranks = _shape(cores)
-        if cache_ids is None:
-            hits = 0
-            hit_pos = hit_slot = miss_pos = ids.new_empty(0)
-        else:
-            bits, index = cache_index(cache_ids)
-            hit_pos, hit_slot, miss_pos = ids.new_empty(3, count)  # one allocation
-            hits = lib.comera_tt_split(threads, count, ids.data_ptr(), bits, index.data_ptr(),
-                                       hit_pos.data_ptr(), hit_slot.data_ptr(),
-                                       miss_pos.data_ptr())
-            hit_pos, hit_slot, miss_pos = hit_pos[:hits], hit_slot[:hits], miss_pos[:count - hits]
-        misses = count - hits
-        positions = miss_pos.data_ptr() if cache_ids is not None else None
-        digits = ids.new_empty(order, misses)
-        lib.comera_tt_digits(misses, ids.data_ptr(), positions, order, modes, digits.data_ptr(),
-                             misses)
-        out = cores[0].new_empty(count, width)
-        kernel = getattr(lib, f"comera_tt_rows_{_TYPES[dtype]}")
+        bits, index = cache_index(cache_ids) if cache_ids is not None else (0, None)
         weight = None if cache_weight is None else cache_weight.contiguous()
-        _check(kernel(threads, width, out.data_ptr(), hits, hit_pos.data_ptr(),
-                      hit_slot.data_ptr(), None if weight is None else weight.data_ptr(),
-                      misses, positions,
-                      digits.data_ptr(), misses, order, cols, ranks, _pointers(cores),
-                      _pointers(gates) if gates else None))
-        ctx.save_for_backward(hit_pos, hit_slot, miss_pos, digits, *cores, *gates)
-        ctx.order, ctx.width, ctx.cached = order, width, cache_ids is not None
+        work = ids.new_empty(3 + order, count)  # positions of hits and misses, digits
+        out = cores[0].new_empty(count, width)
+        hits = getattr(lib, f"comera_tt_forward_{_TYPES[dtype]}")(
+            torch.get_num_threads(), count, ids.data_ptr(), limit, bits,
+            None if index is None else index.data_ptr(),
+            None if weight is None else weight.data_ptr(), width, out.data_ptr(),
+            work.data_ptr(), order, modes, cols, ranks, _pointers(cores),
+            _pointers(gates) if gates else None, threshold)
+        if hits == -1:
+            low, high = (int(v) for v in torch.aminmax(ids))
+            raise IndexError(f"ids must lie in [0, {limit}), got [{low}, {high}]")
+        if hits < 0:
+            raise MemoryError("the C lookup could not allocate its scratch rows")
+        ctx.save_for_backward(work, *cores, *gates)
+        ctx.order, ctx.width, ctx.hits, ctx.threshold = order, width, hits, threshold
         ctx.sparse, ctx.cache_sparse = per_core(sparse, order), cache_sparse
         ctx.weight = None if weight is None else (weight.shape, weight.dtype)
         return out
@@ -223,39 +214,39 @@ class NativeLookup(torch.autograd.Function):
     @once_differentiable
     @_without_autocast
     def backward(ctx, grad: Tensor):
-        lib, order = _library(), ctx.order
-        hit_pos, hit_slot, miss_pos, digits, *tensors = ctx.saved_tensors
+        lib, order, hits = _library(), ctx.order, ctx.hits
+        work, *tensors = ctx.saved_tensors
         cores, gates = tensors[:order], tensors[order:]
-        dtype = cores[0].dtype
+        dtype, count = cores[0].dtype, work.shape[1]
         grad = grad.to(dtype).contiguous()
-        hits, misses = hit_pos.numel(), digits.shape[1]
+        misses = count - hits
         wants = ctx.needs_input_grad
-        hit_grad = grad.new_empty(hits, ctx.width) if ctx.weight and wants[6] else None
-        wants_cores = wants[7:7 + order]
+        hit_grad = grad.new_empty(hits, ctx.width) if ctx.weight and wants[8] else None
+        wants_cores = wants[9:9 + order]
         dense = [c.new_empty(c.shape) if want and not sparse else None  # written whole
                  for c, want, sparse in zip(cores, wants_cores, ctx.sparse)]
         rows = [c.new_empty(misses, c[0].numel()) if want and sparse else None
                 for c, want, sparse in zip(cores, wants_cores, ctx.sparse)]
-        wants_gates = any(wants[7 + order:])
+        wants_gates = any(wants[9 + order:])
         gate_grad = grad.new_empty(sum(g.numel() for g in gates)) if wants_gates else None
         modes, cols, ranks = _shape(cores)
-        kernel = getattr(lib, f"comera_tt_grads_{_TYPES[dtype]}")
-        _check(kernel(torch.get_num_threads(), ctx.width, grad.data_ptr(), hits,
-                      hit_pos.data_ptr(), None if hit_grad is None else hit_grad.data_ptr(),
-                      misses, miss_pos.data_ptr() if ctx.cached else None, digits.data_ptr(),
-                      misses, order, modes, cols, ranks, _pointers(cores),
-                      _pointers(gates) if gates else None, _pointers(dense), _pointers(rows),
-                      None if gate_grad is None else gate_grad.data_ptr()))
+        _check(getattr(lib, f"comera_tt_grads_{_TYPES[dtype]}")(
+            torch.get_num_threads(), ctx.width, grad.data_ptr(), hits, work[0].data_ptr(),
+            None if hit_grad is None else hit_grad.data_ptr(), misses, work[2].data_ptr(),
+            work[3].data_ptr(), count, order, modes, cols, ranks, _pointers(cores),
+            _pointers(gates) if gates else None, ctx.threshold, _pointers(dense),
+            _pointers(rows), None if gate_grad is None else gate_grad.data_ptr()))
         grad_weight = None
         if hit_grad is not None:
             shape, weight_dtype = ctx.weight
-            grad_weight = rows_gradient(hit_grad.to(weight_dtype), hit_slot, shape,
+            grad_weight = rows_gradient(hit_grad.to(weight_dtype), work[1, :hits], shape,
                                         ctx.cache_sparse)
         grad_cores = [d if d is not None else (
-            None if r is None else rows_gradient(r, digits[k], cores[k].shape, True))
+            None if r is None else rows_gradient(r, work[3 + k, :misses], cores[k].shape, True))
             for k, (d, r) in enumerate(zip(dense, rows))]
         grad_gates = [None] * len(gates)
         if gate_grad is not None:  # summed in double, written in the cores' dtype
             grad_gates = [part if want else None for part, want in zip(
-                gate_grad.split([g.numel() for g in gates]), wants[7 + order:])]
-        return None, None, None, None, None, None, grad_weight, *grad_cores, *grad_gates
+                gate_grad.split([g.numel() for g in gates]), wants[9 + order:])]
+        return (None, None, None, None, None, None, None, None, grad_weight, *grad_cores,
+                *grad_gates)

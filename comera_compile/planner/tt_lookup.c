@@ -39,47 +39,6 @@ void comera_tt_index(int64_t rows, const int64_t *cache_ids, int bits, int64_t *
     }
 }
 
-/* Positions of the ids the cache holds (hit_pos, their slots hit_slot) and of the others
-   (miss_pos), each in ids order, through comera_tt_index's table; returns the hits. The
-   probes run on `threads` threads (each id's slot, or -1, into hit_slot), the compaction on
-   one (a write never passes the read it follows). */
-int64_t comera_tt_split(int threads, int64_t n_ids, const int64_t *ids, int bits,
-                        const int64_t *table, int64_t *hit_pos, int64_t *hit_slot,
-                        int64_t *miss_pos) {
-    int64_t mask = ((int64_t)1 << bits) - 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n_ids; ++i) {
-        if (i + AHEAD < n_ids) __builtin_prefetch(table + 2 * comera_bucket(ids[i + AHEAD], bits));
-        int64_t id = ids[i], b = comera_bucket(id, bits);
-        while (table[2 * b] != id && table[2 * b] != -1) b = (b + 1) & mask;
-        hit_slot[i] = table[2 * b] == id ? table[2 * b + 1] : -1;
-    }
-    int64_t hits = 0, misses = 0;
-    for (int64_t i = 0; i < n_ids; ++i) {
-        int64_t slot = hit_slot[i];
-        if (slot >= 0) {
-            hit_pos[hits] = i;
-            hit_slot[hits++] = slot;
-        } else {
-            miss_pos[misses++] = i;
-        }
-    }
-    return hits;
-}
-
-/* Each id's digit in every row mode: digits[k * stride + i] for the i-th of n ids. */
-void comera_tt_digits(int64_t n, const int64_t *ids, const int64_t *pos, int order,
-                      const int64_t *m, int64_t *digits, int64_t stride) {
-    for (int64_t i = 0; i < n; ++i) {
-        int64_t rest = ids[pos ? pos[i] : i];
-        for (int k = order - 1; k > 0; --k) {
-            digits[k * stride + i] = rest % m[k];
-            rest /= m[k];
-        }
-        digits[i] = rest;
-    }
-}
-
 #ifdef _OPENMP
 #include <omp.h>
 static int comera_team(void) { return omp_get_num_threads(); }
@@ -145,42 +104,105 @@ static int64_t NAME(layout)(int order, const int64_t *n, const int64_t *r, int64
     return total;
 }
 
-/* Rows (n_ids, width) of out: cache_weight[hit_slot] at hit_pos, the chain's rows at
-   miss_pos (their digits in digits[k * stride + j] for the j-th miss; no miss_pos: every
-   row is a miss, in order), on `threads` threads. Returns 0, or -1 where scratch memory
-   could not be had. */
-int NAME(comera_tt_rows)(int threads, int64_t width, REAL *out, int64_t n_hits,
-                         const int64_t *hit_pos, const int64_t *hit_slot,
-                         const REAL *cache_weight, int64_t n_misses, const int64_t *miss_pos,
-                         const int64_t *digits, int64_t stride, int order, const int64_t *n,
-                         const int64_t *r, const REAL *const *cores, const REAL *const *gates) {
-    int64_t at[64];
-    int64_t total = NAME(layout)(order, n, r, at);
-    int failed = 0;
+/* gates[k - 1] as the forward sees them: entries with |g| <= threshold are 0 (rank gates
+   switched off), written into buf (sum of r[1..order-1]); ptrs[k - 1] points at each. */
+static void NAME(threshold_gates)(int order, const int64_t *r, const REAL *const *gates,
+                                  double threshold, REAL *buf, const REAL **ptrs) {
+    for (int k = 1, at = 0; k < order; at += r[k], ++k) {
+        for (int64_t a = 0; a < r[k]; ++a) {
+            REAL g = gates[k - 1][a];
+            buf[at + a] = (g > threshold || g < -threshold) ? g : (REAL)0;
+        }
+        ptrs[k - 1] = buf + at;
+    }
+}
+
+/* A lookup's rows (n_ids, width) into out, on `threads` threads: ids the cache holds (found
+   through comera_tt_index's table, or none where table is NULL) read cache_weight, the
+   others are built from the chain (gates: raw rank gates, thresholded here). work is
+   (3 + order, n_ids): hits' positions, their slots, misses' positions, then each miss's
+   digit per core (all in ids order). Returns the hits; -1 where an id lies outside
+   [0, limit); -2 where scratch memory could not be had. */
+int64_t NAME(comera_tt_forward)(int threads, int64_t n_ids, const int64_t *ids, int64_t limit,
+                                int bits, const int64_t *table, const REAL *cache_weight,
+                                int64_t width, REAL *out, int64_t *work, int order,
+                                const int64_t *m, const int64_t *n, const int64_t *r,
+                                const REAL *const *cores, const REAL *const *raw_gates,
+                                double threshold) {
+    int64_t *hit_pos = work, *hit_slot = work + n_ids, *miss_pos = work + 2 * n_ids;
+    int64_t *digits = work + 3 * n_ids, at[64], gate_total = 0;
+    for (int k = 1; k < order; ++k) gate_total += r[k];
+    REAL *gate_buf = raw_gates ? malloc((gate_total ? gate_total : 1) * sizeof(REAL)) : NULL;
+    const REAL *gates[64];
+    if (raw_gates && !gate_buf) return -2;
+    if (raw_gates) NAME(threshold_gates)(order, r, raw_gates, threshold, gate_buf, gates);
+    int64_t total = NAME(layout)(order, n, r, at), hits = 0, misses = 0;
+    int64_t mask = table ? ((int64_t)1 << bits) - 1 : 0;
+    int bad = 0, failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static) nowait
-        for (int64_t j = 0; j < n_hits; ++j) {
-            if (j + AHEAD < n_hits) __builtin_prefetch(cache_weight + hit_slot[j + AHEAD] * width);
-            memcpy(out + hit_pos[j] * width, cache_weight + hit_slot[j] * width,
-                   width * sizeof(REAL));
-        }
-        REAL *acc = n_misses ? malloc(total * sizeof(REAL)) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < n_misses; ++j) {
-            if (!acc) {
-#pragma omp atomic write
-                failed = 1;
+#pragma omp for schedule(static) reduction(| : bad)
+        for (int64_t i = 0; i < n_ids; ++i) {
+            int64_t id = ids[i];
+            hit_slot[i] = -1;
+            if (id < 0 || id >= limit) {
+                bad = 1;
                 continue;
             }
-            if (j + AHEAD < n_misses) NAME(prefetch)(order, n, r, cores, digits + j + AHEAD, stride);
-            NAME(chain)(order, n, r, at, cores, gates, digits + j, stride, acc);
-            int64_t row = miss_pos ? miss_pos[j] : j;
-            memcpy(out + row * width, acc + at[order - 1], width * sizeof(REAL));
+            if (!table) continue;
+            if (i + AHEAD < n_ids && ids[i + AHEAD] >= 0)
+                __builtin_prefetch(table + 2 * comera_bucket(ids[i + AHEAD], bits));
+            int64_t b = comera_bucket(id, bits);
+            while (table[2 * b] != id && table[2 * b] != -1) b = (b + 1) & mask;
+            if (table[2 * b] == id) hit_slot[i] = table[2 * b + 1];
         }
-        free(acc);
+#pragma omp single
+        {  /* in ids order; a write never passes the read it follows */
+            for (int64_t i = 0; !bad && i < n_ids; ++i) {
+                int64_t slot = hit_slot[i];
+                if (slot >= 0) {
+                    hit_pos[hits] = i;
+                    hit_slot[hits++] = slot;
+                } else {
+                    miss_pos[misses++] = i;
+                }
+            }
+        }
+        if (!bad) {
+#pragma omp for schedule(static) nowait
+            for (int64_t j = 0; j < hits; ++j) {
+                if (j + AHEAD < hits) __builtin_prefetch(cache_weight + hit_slot[j + AHEAD] * width);
+                memcpy(out + hit_pos[j] * width, cache_weight + hit_slot[j] * width,
+                       width * sizeof(REAL));
+            }
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < misses; ++j) {
+                int64_t rest = ids[miss_pos[j]];
+                for (int k = order - 1; k > 0; --k) {
+                    digits[k * n_ids + j] = rest % m[k];
+                    rest /= m[k];
+                }
+                digits[j] = rest;
+            }
+            REAL *acc = misses ? malloc(total * sizeof(REAL)) : NULL;
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < misses; ++j) {
+                if (!acc) {
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                if (j + AHEAD < misses)
+                    NAME(prefetch)(order, n, r, cores, digits + j + AHEAD, n_ids);
+                NAME(chain)(order, n, r, at, cores, raw_gates ? gates : NULL, digits + j, n_ids,
+                            acc);
+                memcpy(out + miss_pos[j] * width, acc + at[order - 1], width * sizeof(REAL));
+            }
+            free(acc);
+        }
     }
-    return failed ? -1 : 0;
+    free(gate_buf);
+    return bad ? -1 : failed ? -2 : hits;
 }
 
 /* One missed row's gradients: its slices' into dst[k] (added), its gates' into gate_grad
@@ -230,8 +252,9 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
                           const int64_t *hit_pos, REAL *hit_grad, int64_t n_misses,
                           const int64_t *miss_pos, const int64_t *digits, int64_t stride,
                           int order, const int64_t *m, const int64_t *n, const int64_t *r,
-                          const REAL *const *cores, const REAL *const *gates,
-                          REAL *const *core_grad, REAL *const *core_rows, REAL *gate_out) {
+                          const REAL *const *cores, const REAL *const *raw_gates,
+                          double threshold, REAL *const *core_grad, REAL *const *core_rows,
+                          REAL *gate_out) {
     int64_t at[64], gate_at[64], size[64], widest = 0, full = 1, gate_total = 0;
     int64_t total = NAME(layout)(order, n, r, at);
     for (int k = 0; k < order; ++k) {
@@ -240,10 +263,17 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
         size[k] = m[k] * r[k] * n[k] * r[k + 1];
         if (k) { gate_at[k - 1] = gate_total; gate_total += r[k]; }
     }
+    REAL *gate_buf = raw_gates ? malloc((gate_total ? gate_total : 1) * sizeof(REAL)) : NULL;
+    const REAL *thresholded[64], *const *gates = raw_gates ? thresholded : NULL;
+    if (raw_gates && !gate_buf) return -1;
+    if (raw_gates) NAME(threshold_gates)(order, r, raw_gates, threshold, gate_buf, thresholded);
     for (int k = 0; k < order; ++k)
         if (core_grad && core_grad[k]) memset(core_grad[k], 0, size[k] * sizeof(REAL));
     double *gate_grad = gate_out ? calloc(gate_total ? gate_total : 1, sizeof(double)) : NULL;
-    if (gate_out && !gate_grad) return -1;
+    if (gate_out && !gate_grad) {
+        free(gate_buf);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -303,8 +333,10 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
         }
         free(scratch);
     }
-    for (int64_t i = 0; gate_out && i < gate_total; ++i) gate_out[i] = (REAL)gate_grad[i];
+    for (int64_t i = 0; gate_out && i < gate_total; ++i)  /* a gate switched off gets none */
+        gate_out[i] = gate_buf[i] != (REAL)0 ? (REAL)gate_grad[i] : (REAL)0;
     free(gate_grad);
+    free(gate_buf);
     return failed ? -1 : 0;
 }
 
