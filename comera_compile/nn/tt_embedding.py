@@ -147,10 +147,10 @@ class TTEmbedding(TensorizedLayer):
     def _chain(self) -> Chain:
         """The cores and gates, listed, and the multiply-adds a row costs to build from them
         (a lookup reads all three; a ``ParameterList`` is slow to walk)."""
-        cores = list(self.cores)
+        cores, gates = _listed(self.cores), _listed(self.gates)
         ranks = (1, *(int(c.shape[-1]) for c in cores[:-1]), 1)
         macs = _row_macs(tuple(self.row_modes), tuple(self.col_modes), ranks)
-        return Chain(cores, list(self.gates), macs)
+        return Chain(cores, gates, macs)
 
     def _native(self, ids: Tensor, chain: Chain) -> bool:
         """Whether a lookup of ``ids`` runs in C (``planner.native_lookup``)."""
@@ -305,15 +305,17 @@ class TTEmbedding(TensorizedLayer):
             rows = self.plan_for(ids.numel()).lookup(ids, list(self.cores), gates, sparse)
         return rows[:, : self.embedding_dim]
 
-    def _rows(self, ids: Tensor, chain: Chain | None = None) -> Tensor:
+    def _rows(self, ids: Tensor, chain: Chain | None = None, native: bool | None = None
+              ) -> Tensor:
         """The rows of ``ids``: a cached table's hits read from the cache, its misses built
-        from the cores; no id reads both (``chain``: ``_chain()``, if read already)."""
+        from the cores; no id reads both (``chain``: ``_chain()``, and ``native``:
+        ``_native``, where the caller has them)."""
         if self.cache is None:
             return self._core_rows(ids).to(self.cores[0].dtype)
         chain = self._chain() if chain is None else chain
         cores, dtype, cache = chain.cores, chain.cores[0].dtype, self.cache
         sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
-        if self._native(ids, chain):  # one C call each way
+        if self._native(ids, chain) if native is None else native:  # one C call each way
             return NativeLookup.apply(sparse, cache.sparse, len(cores), self.embedding_dim,
                                       self.num_embeddings, self.threshold, ids, cache.ids,
                                       cache.weight, *cores, *chain.gates)
@@ -347,7 +349,8 @@ class TTEmbedding(TensorizedLayer):
         chain = self._chain()  # listed once per call: a ParameterList is slow to walk
         counting = self.cache is not None and self.training and self.cache_warmup and (
             not self.cache_filled)
-        if counting or not (eager and self._native(flat, chain)):
+        native = eager and self._native(flat, chain)
+        if counting or not native:
             self._check_ids(flat, eager)  # the C lookup checks the ids it reads
         if counting:
             self._count_warmup(flat)
@@ -361,7 +364,7 @@ class TTEmbedding(TensorizedLayer):
             ids, index = torch.arange(self.num_embeddings, device=flat.device), flat
         else:
             ids, index = flat, None  # each id's own row, in order
-        table = self._rows(ids, chain)  # in the cores' dtype, as nn.Embedding in autocast
+        table = self._rows(ids, chain, native)  # in the cores' dtype, as nn.Embedding does
         if index is None:
             if self.mode is None:
                 # the rows are the output: no gather, and no index of the ids' count, whose
@@ -520,6 +523,14 @@ class Chain(NamedTuple):
     cores: list[Tensor]
     gates: list[Tensor]
     macs: int
+
+
+def _listed(parameters: nn.ParameterList) -> list[nn.Parameter]:
+    """A ``ParameterList``'s parameters in order, read from its dict (walking the list
+    builds an index string and an attribute lookup per item: tens of microseconds a lookup
+    when cold)."""
+    listed = list(parameters._parameters.values())
+    return listed if len(listed) == len(parameters) else list(parameters)  # a plain tensor
 
 
 @functools.lru_cache(maxsize=1024)
