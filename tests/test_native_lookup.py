@@ -173,3 +173,21 @@ def test_two_libraries_loaded_from_memory_stay_two(tmp_path, monkeypatch):
     assert libraries[0].value_1() == 1
     assert libraries[1].value_2() == 2
     assert not hasattr(libraries[1], "value_1")
+
+
+def test_the_cache_index_follows_a_load_of_other_cached_ids():
+    """The C lookup's hash index of the cached ids is built again after they change (a
+    load here), so a lookup reads the rows the cache holds now."""
+    torch.manual_seed(0)
+    first = TTEmbedding(500, 8, ranks=3, mode="sum", cache_rows=4)
+    first.fill_cache(torch.tensor([1, 2, 3, 4]))
+    ids = torch.tensor([[1], [9], [300], [4]])
+    first(ids)  # builds the index of [1, 2, 3, 4]
+    second = TTEmbedding(500, 8, ranks=3, mode="sum", cache_rows=4)
+    second.fill_cache(torch.tensor([9, 300, 301, 302]))
+    with torch.no_grad():
+        second.cache.weight.fill_(7.0)
+    first.load_state_dict(second.state_dict())
+    rows = first(ids)
+    torch.testing.assert_close(rows[1:3], torch.full((2, 8), 7.0))  # 9 and 300: cached now
+    torch.testing.assert_close(rows, second(ids))
