@@ -170,7 +170,8 @@ def _held_dense(cand: Candidate) -> str:
             cand.dense_params < MIN_SPARSE_TABLE):
         return (f"small sparse table ({cand.dense_params:,} entries < {MIN_SPARSE_TABLE:,}): "
                 "its lookup and sparse update cost less than a TT lookup's fixed cost per call "
-                "(tens of small kernels); tensorized only when the budget needs it, or include it")
+                "(its Python and autograd calls); tensorized only when the budget needs it, or "
+                "include it")
     return ""
 
 
