@@ -1,8 +1,9 @@
 """A TT table's lookup as one C loop over its ids (``tt_lookup.c``), forward and backward.
 
 The torch form of a lookup (:mod:`.gathered`) runs a few dozen ops per table and step, each
-costing about what its arithmetic does at a recommender's sizes; this runs the cache's
-search, each missed id's chain and its gradients in one call each way. Backward rebuilds a
+costing about what its arithmetic does at a recommender's sizes; this runs the id check,
+the cache's hash probes, each missed id's chain (rank gates thresholded as
+``nn.gates.hard_threshold`` does) and its gradients in one call each way. Backward rebuilds a
 missed row's partial products rather than keeping them, so a step keeps only the ids'
 positions and digits. Built on first use with the system's C compiler; where it cannot be
 (no compiler, not Linux, ``COMERA_NATIVE_LOOKUP=0``), lookups run as torch ops, the same

@@ -2,14 +2,14 @@
 
    A recommender's lookup is a few thousand ids through a chain of small cores: as torch ops it
    is dozens of kernel launches, each costing about what its arithmetic does. Here each id is
-   one loop: its slot in the hot-row cache (a binary search of the sorted cached ids), else its
-   row built from its cores' slices; backward rebuilds a missed row's partial products (they
+   one loop: its slot in the hot-row cache (a hash index of the cached ids), else its row
+   built from its cores' slices; backward rebuilds a missed row's partial products (they
    are never stored) and writes each core slice's gradient.
 
    Cores are slices first: core k is (m[k], r[k], n[k], r[k+1]), contiguous, r[0] = r[order] = 1.
    A row's column index is mixed radix over n[], the first mode most significant; a row is
-   cut to `width` columns. gates[k - 1] (r[k] entries, or none at all) scales the bond between
-   cores k - 1 and k. Built for float and double: this file includes itself once per type.
+   cut to `width` columns. gates[k - 1] (r[k] entries, or none at all; entries of
+   |g| <= threshold count as 0) scales the bond between cores k - 1 and k. Built for float and double: this file includes itself once per type.
    Loops run on torch's own OpenMP threads where built with -fopenmp (the runtime torch
    loaded is the one they join): a step's next parallel op finds its threads awake. */
 
