@@ -22,6 +22,18 @@ def _cores(row_modes, col_modes, ranks, dtype):
             for m, n, r, r2 in zip(row_modes, col_modes, ranks[:-1], ranks[1:])]
 
 
+def _lookup(runner, *args):
+    """The C lookup under its C++ operator (autograd in C++) or its Python autograd node."""
+    if runner == "operator":
+        if native_lookup._operator() is None:
+            pytest.skip("the C++ operator cannot be built here")
+        return native_lookup.lookup(*args)
+    return native_lookup.NativeLookup.apply(*args)
+
+
+RUNNERS = ["node", "operator"]
+
+
 def _dense(grad):
     return grad.to_dense() if grad is not None and grad.is_sparse else grad
 
@@ -36,9 +48,10 @@ SHAPES = [((5, 4, 3), (2, 2, 4), (1, 3, 4, 1), 14),
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_the_c_lookup_gives_the_torch_lookups_rows_and_gradients(row_modes, col_modes, ranks,
                                                                   width, cached, sparse,
-                                                                  dtype):
+                                                                  dtype, runner):
     cores = _cores(row_modes, col_modes, ranks, dtype)
     gates = [torch.rand(r, dtype=dtype, requires_grad=True) + 0.5 for r in ranks[1:-1]]
     rows = 1
@@ -55,11 +68,11 @@ def test_the_c_lookup_gives_the_torch_lookups_rows_and_gradients(row_modes, col_
     order = len(cores)
     expected = CachedChain.apply(sparse, sparse, order, width, weight, slots, hits, misses,
                                  *digits, *cores, *gates)
-    got = native_lookup.NativeLookup.apply(sparse, sparse, order, width, rows, 0.0, ids,
-                                           cache_ids, weight, *cores, *gates)
+    got = _lookup(runner, sparse, sparse, order, width, rows, 0.0, ids, cache_ids, weight,
+                  *cores, *gates)
     if not cached:  # no cache at all, rather than one nothing hits
-        expected_free = native_lookup.NativeLookup.apply(sparse, sparse, order, width, rows,
-                                                         0.0, ids, None, None, *cores, *gates)
+        expected_free = _lookup(runner, sparse, sparse, order, width, rows, 0.0, ids, None,
+                                None, *cores, *gates)
         torch.testing.assert_close(expected_free, expected)
     torch.testing.assert_close(got, expected)
     upstream = torch.randn_like(got)
@@ -75,7 +88,8 @@ def test_the_c_lookup_gives_the_torch_lookups_rows_and_gradients(row_modes, col_
             torch.testing.assert_close(_dense(h), _dense(w), **tol)
 
 
-def test_the_c_lookups_gradients_match_finite_differences():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_the_c_lookups_gradients_match_finite_differences(runner):
     cores = _cores((3, 4, 2), (2, 3, 2), (1, 2, 3, 1), torch.float64)
     gates = [torch.rand(r, dtype=torch.float64, requires_grad=True) + 0.5 for r in (2, 3)]
     weight = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
@@ -83,18 +97,17 @@ def test_the_c_lookups_gradients_match_finite_differences():
     cache_ids = torch.tensor([-1, -1, 5, 11])
 
     def rows(weight, *tensors):
-        return native_lookup.NativeLookup.apply(False, False, 3, 10, 24, 0.0, ids, cache_ids,
-                                                weight, *tensors)
+        return _lookup(runner, False, False, 3, 10, 24, 0.0, ids, cache_ids, weight, *tensors)
 
     assert torch.autograd.gradcheck(rows, (weight, *cores, *gates))
 
 
-def test_gates_at_or_under_the_threshold_switch_their_bond_off_with_no_gradient():
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_gates_at_or_under_the_threshold_switch_their_bond_off_with_no_gradient(runner):
     cores = _cores((5, 6), (4, 4), (1, 4, 1), torch.float64)
     gate = torch.tensor([0.5, 0.004, -0.3, -0.01], dtype=torch.float64, requires_grad=True)
     ids = torch.arange(30)
-    got = native_lookup.NativeLookup.apply(False, False, 2, 16, 30, 0.01, ids, None, None,
-                                           *cores, gate)
+    got = _lookup(runner, False, False, 2, 16, 30, 0.01, ids, None, None, *cores, gate)
     digits = mode_digits(ids, (5, 6))
     shrunk = hard_threshold(gate, 0.01)
     want = GatheredChain.apply(False, 2, *digits, *cores, shrunk).reshape(30, 16)
@@ -108,14 +121,15 @@ def test_gates_at_or_under_the_threshold_switch_their_bond_off_with_no_gradient(
 
 
 @pytest.mark.parametrize("cached", [False, True])
-def test_ids_outside_the_table_are_refused_by_the_c_lookup(cached):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_ids_outside_the_table_are_refused_by_the_c_lookup(cached, runner):
     cores = _cores((4, 5), (2, 2), (1, 3, 1), torch.float32)
     cache_ids = torch.tensor([-1, 2, 7]) if cached else None
     weight = torch.randn(3, 4) if cached else None
     for bad, shown in (([3, 20, 7], r"\[3, 20\]"), ([-1, 4], r"\[-1, 4\]")):
         with pytest.raises(IndexError, match=r"ids must lie in \[0, 20\), got " + shown):
-            native_lookup.NativeLookup.apply(False, False, 2, 4, 20, 0.0, torch.tensor(bad),
-                                             cache_ids, weight, *cores)
+            _lookup(runner, False, False, 2, 4, 20, 0.0, torch.tensor(bad), cache_ids, weight,
+                    *cores)
     table = TTEmbedding(20, 4, ranks=3, cache_rows=3 if cached else 0)
     if cached:
         table.fill_cache(torch.tensor([2, 7, 7]))

@@ -41,7 +41,6 @@ from comera_compile.planner import EmbeddingPlan, embedding_plan, host_reads_all
 from comera_compile.planner.embedding import chain_costs
 from comera_compile.planner.gathered import CachedChain
 from comera_compile.planner.lookup import mode_digits
-from comera_compile.planner.native_lookup import NativeLookup
 from comera_compile.planner.ops import planned_lookup
 
 _BAG_MODES = (None, "sum", "mean", "max")
@@ -292,9 +291,9 @@ class TTEmbedding(TensorizedLayer):
         cores = chain.cores
         sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
         if native_lookup.usable(ids, cores, chain.macs, None, chain.gates):  # a C call each way
-            return NativeLookup.apply(sparse, False, len(cores), self.embedding_dim,
-                                      self.num_embeddings, self.threshold, ids, None, None,
-                                      *cores, *chain.gates)
+            return native_lookup.lookup(sparse, False, len(cores), self.embedding_dim,
+                                        self.num_embeddings, self.threshold, ids, None, None,
+                                        *cores, *chain.gates)
         gates = [hard_threshold(g, self.threshold) for g in chain.gates]
         if self.recompute_lookup and torch.is_grad_enabled():
             # one checkpoint per block of ids: backward rebuilds one block's products at once
@@ -316,9 +315,9 @@ class TTEmbedding(TensorizedLayer):
         cores, dtype, cache = chain.cores, chain.cores[0].dtype, self.cache
         sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
         if self._native(ids, chain) if native is None else native:  # one C call each way
-            return NativeLookup.apply(sparse, cache.sparse, len(cores), self.embedding_dim,
-                                      self.num_embeddings, self.threshold, ids, cache.ids,
-                                      cache.weight, *cores, *chain.gates)
+            return native_lookup.lookup(sparse, cache.sparse, len(cores), self.embedding_dim,
+                                        self.num_embeddings, self.threshold, ids, cache.ids,
+                                        cache.weight, *cores, *chain.gates)
         slots, hits, misses = split_by_cache(cache.ids, ids)
         if self.recompute_lookup and torch.is_grad_enabled():  # the misses' rows rebuilt
             built = self._core_rows(ids.index_select(0, misses)).to(dtype)

@@ -96,6 +96,58 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+OP_SOURCE = Path(__file__).with_name("tt_lookup_op.cpp")
+OP_NAME = "tt_lookup_op"
+
+
+def _op_command(target: Path) -> list[str]:
+    """Builds the C loops (as C) and their torch operator (as C++, against this torch)."""
+    from torch.utils.cpp_extension import include_paths, library_paths  # needs setuptools
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    lib = library_paths()[0]
+    return [os.environ.get("CXX", "c++"), "-O3", "-fopenmp", "-shared", "-fPIC",
+            "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in include_paths()), "-x", "c", str(SOURCE), "-x", "c++",
+            str(OP_SOURCE), "-o", str(target), f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch",
+            f"-Wl,-rpath,{lib}"]
+
+
+@functools.cache
+def _operator():
+    """``torch.ops.comera_native.tt_lookup``: the C loops with their autograd in C++ (a
+    backward that runs no Python), or None where it cannot be built (the loops then run
+    under :class:`NativeLookup`, whose backward is Python)."""
+    if _library() is None or not _libgomp_loaded():
+        return None
+    try:
+        data = native.build(OP_NAME, OP_SOURCE, _op_command,
+                            torch.__version__ + SOURCE.read_text())
+        native.load(OP_NAME, data)  # registers the operator
+        return torch.ops.comera_native.tt_lookup
+    except Exception as err:
+        log.info("comera: the C++ operator of the TT lookup could not be built (%s); the C "
+                 "lookup runs under a Python autograd node", native.why_not(err))
+        return None
+
+
+def lookup(sparse: bool | Sequence[bool], cache_sparse: bool, order: int, width: int,
+           limit: int, threshold: float, ids: Tensor, cache_ids: Tensor | None,
+           cache_weight: Tensor | None, *tensors: Tensor) -> Tensor:
+    """A lookup in C (where :func:`usable`): the arguments of :class:`NativeLookup`, run by
+    the C++ operator where it is built."""
+    op = _operator()
+    if op is None:
+        return NativeLookup.apply(sparse, cache_sparse, order, width, limit, threshold, ids,
+                                  cache_ids, cache_weight, *tensors)
+    empty = ids.new_empty(0)
+    bits, index = cache_index(cache_ids) if cache_ids is not None else (0, empty)
+    weight = cache_weight if cache_weight is not None else tensors[0].new_empty(0)
+    flags = [sparse] if isinstance(sparse, bool) else list(sparse)
+    return op(ids, index, weight, list(tensors[:order]), list(tensors[order:]), flags,
+              cache_sparse, width, limit, threshold, bits)
+
+
 def available() -> bool:
     """Whether the C lookup is built and loaded in this process (builds it if not yet)."""
     return _library() is not None
