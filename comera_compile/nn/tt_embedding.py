@@ -363,6 +363,9 @@ class TTEmbedding(TensorizedLayer):
             ids, index = torch.arange(self.num_embeddings, device=flat.device), flat
         else:
             ids, index = flat, None  # each id's own row, in order
+        if native and index is None and self._plain_bags(input, offsets, per_sample_weights,
+                                                         self.padding_idx):
+            return self._pooled_in_c(ids, chain, input.shape[1])
         table = self._rows(ids, chain, native)  # in the cores' dtype, as nn.Embedding does
         if index is None:
             if self.mode is None:
@@ -392,6 +395,17 @@ class TTEmbedding(TensorizedLayer):
         return F.embedding_bag(index.reshape(input.shape), table, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights,
                                include_last_offset=self.include_last_offset, padding_idx=padding)
+
+    def _pooled_in_c(self, ids: Tensor, chain: Chain, bag: int) -> Tensor:
+        """Bags of ``bag`` ids in a row, looked up and pooled in C (the rows themselves are
+        never made, in forward or backward)."""
+        cache = self.cache
+        sparse = self.sparse_cores(chain.cores) if torch.is_grad_enabled() else False
+        return native_lookup.lookup(
+            sparse, cache is not None and cache.sparse, len(chain.cores), self.embedding_dim,
+            self.num_embeddings, self.threshold, ids, None if cache is None else cache.ids,
+            None if cache is None else cache.weight, *chain.cores, *chain.gates, bag=bag,
+            mean=self.mode == "mean")
 
     def _plain_bags(self, input: Tensor, offsets: Tensor | None, weights: Tensor | None,
                     padding: int | None) -> bool:

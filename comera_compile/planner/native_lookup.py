@@ -88,11 +88,11 @@ def _library() -> ctypes.CDLL | None:
         forward = getattr(lib, f"comera_tt_forward_{suffix}")
         forward.restype = i64
         forward.argtypes = [num, i64, ptr, i64, num, ptr, ptr, i64, ptr, ptr, num, ptr, ptr, ptr,
-                            ptrs, ptrs, ctypes.c_double]
+                            ptrs, ptrs, ctypes.c_double, i64, num]
         grads = getattr(lib, f"comera_tt_grads_{suffix}")
         grads.restype = num
         grads.argtypes = [num, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, num, ptr, ptr, ptr,
-                          ptrs, ptrs, ctypes.c_double, ptrs, ptrs, ptr]
+                          ptrs, ptrs, ctypes.c_double, ptrs, ptrs, ptr, i64, num]
     return lib
 
 
@@ -133,19 +133,25 @@ def _operator():
 
 def lookup(sparse: bool | Sequence[bool], cache_sparse: bool, order: int, width: int,
            limit: int, threshold: float, ids: Tensor, cache_ids: Tensor | None,
-           cache_weight: Tensor | None, *tensors: Tensor) -> Tensor:
+           cache_weight: Tensor | None, *tensors: Tensor, bag: int = 1,
+           mean: bool = False) -> Tensor:
     """A lookup in C (where :func:`usable`): the arguments of :class:`NativeLookup`, run by
-    the C++ operator where it is built."""
+    the C++ operator where it is built. ``bag > 1``: runs of ``bag`` ids pooled (summed, or
+    averaged where ``mean``), ``(len(ids) // bag, width)``; the operator pools in C."""
     op = _operator()
     if op is None:
-        return NativeLookup.apply(sparse, cache_sparse, order, width, limit, threshold, ids,
+        rows = NativeLookup.apply(sparse, cache_sparse, order, width, limit, threshold, ids,
                                   cache_ids, cache_weight, *tensors)
+        if bag == 1:
+            return rows
+        rows = rows.view(-1, bag, width)
+        return rows.mean(1) if mean else rows.sum(1)
     empty = ids.new_empty(0)
     bits, index = cache_index(cache_ids) if cache_ids is not None else (0, empty)
     weight = cache_weight if cache_weight is not None else tensors[0].new_empty(0)
     flags = [sparse] if isinstance(sparse, bool) else list(sparse)
     return op(ids, index, weight, list(tensors[:order]), list(tensors[order:]), flags,
-              cache_sparse, width, limit, threshold, bits)
+              cache_sparse, width, limit, threshold, bits, bag, mean)
 
 
 def available() -> bool:
@@ -251,7 +257,7 @@ class NativeLookup(torch.autograd.Function):
             None if index is None else index.data_ptr(),
             None if weight is None else weight.data_ptr(), width, out.data_ptr(),
             work.data_ptr(), order, modes, cols, ranks, _pointers(cores),
-            _pointers(gates) if gates else None, threshold)
+            _pointers(gates) if gates else None, threshold, 1, 0)
         if hits == -1:
             low, high = (int(v) for v in torch.aminmax(ids))
             raise IndexError(f"ids must lie in [0, {limit}), got [{low}, {high}]")
@@ -288,7 +294,7 @@ class NativeLookup(torch.autograd.Function):
             None if hit_grad is None else hit_grad.data_ptr(), misses, work[2].data_ptr(),
             work[3].data_ptr(), count, order, modes, cols, ranks, _pointers(cores),
             _pointers(gates) if gates else None, ctx.threshold, _pointers(dense),
-            _pointers(rows), None if gate_grad is None else gate_grad.data_ptr()))
+            _pointers(rows), None if gate_grad is None else gate_grad.data_ptr(), 1, 0))
         grad_weight = None
         if hit_grad is not None:
             shape, weight_dtype = ctx.weight

@@ -119,17 +119,20 @@ static void NAME(threshold_gates)(int order, const int64_t *r, const REAL *const
 
 /* A lookup's rows (n_ids, width) into out, on `threads` threads: ids the cache holds (found
    through comera_tt_index's table, or none where table is NULL) read cache_weight, the
-   others are built from the chain (gates: raw rank gates, thresholded here). work is
-   (3 + order, n_ids): hits' positions, their slots, misses' positions, then each miss's
-   digit per core (all in ids order). Returns the hits; -1 where an id lies outside
-   [0, limit); -2 where scratch memory could not be had. */
+   others are built from the chain (gates: raw rank gates, thresholded here). With bag > 1,
+   out is (n_ids / bag, width): each run of `bag` ids summed (mean: averaged), the rows
+   themselves never returned. work is (3 + order, n_ids): hits' positions, their slots,
+   misses' positions, then each miss's digit per core (all in ids order). Returns the hits;
+   -1 where an id lies outside [0, limit); -2 where scratch memory could not be had. */
 int64_t NAME(comera_tt_forward)(int threads, int64_t n_ids, const int64_t *ids, int64_t limit,
                                 int bits, const int64_t *table, const REAL *cache_weight,
                                 int64_t width, REAL *out, int64_t *work, int order,
                                 const int64_t *m, const int64_t *n, const int64_t *r,
                                 const REAL *const *cores, const REAL *const *raw_gates,
-                                double threshold) {
+                                double threshold, int64_t bag, int mean) {
     int64_t *hit_pos = work, *hit_slot = work + n_ids, *miss_pos = work + 2 * n_ids;
+    REAL *pooled = out;
+    if (bag > 1 && !(out = malloc((n_ids ? n_ids : 1) * width * sizeof(REAL)))) return -2;
     int64_t *digits = work + 3 * n_ids, at[64], gate_total = 0;
     for (int k = 1; k < order; ++k) gate_total += r[k];
     REAL *gate_buf = raw_gates ? malloc((gate_total ? gate_total : 1) * sizeof(REAL)) : NULL;
@@ -199,8 +202,22 @@ int64_t NAME(comera_tt_forward)(int threads, int64_t n_ids, const int64_t *ids, 
                 memcpy(out + miss_pos[j] * width, acc + at[order - 1], width * sizeof(REAL));
             }
             free(acc);
+            if (bag > 1) {  /* the misses' loop ended on a barrier: every row is written */
+                REAL scale = mean ? (REAL)1 / (REAL)bag : (REAL)1;
+#pragma omp for schedule(static)
+                for (int64_t b = 0; b < n_ids / bag; ++b) {
+                    REAL *dst = pooled + b * width;
+                    const REAL *src = out + b * bag * width;
+                    for (int64_t c = 0; c < width; ++c) dst[c] = src[c];
+                    for (int64_t i = 1; i < bag; ++i)
+                        for (int64_t c = 0; c < width; ++c) dst[c] += src[i * width + c];
+                    if (mean)
+                        for (int64_t c = 0; c < width; ++c) dst[c] *= scale;
+                }
+            }
         }
     }
+    if (bag > 1) free(out);
     free(gate_buf);
     return bad ? -1 : failed ? -2 : hits;
 }
@@ -245,7 +262,8 @@ static void NAME(row_grads)(int order, const int64_t *n, const int64_t *r, const
    hit_grad (n_hits, width), if given: the hits' rows of grad. For each core k:
    core_grad[k], if given, a core written with the slices' gradients (summed); else
    core_rows[k], if given, (n_misses, slice) the j-th miss's slice gradient; gate_grad, if
-   given, (sum of r[1..order-1]) written with the gates' (summed in double). Threads add
+   given, (sum of r[1..order-1]) written with the gates' (summed in double). With bag > 1,
+   grad is (n_ids / bag, width), of the rows pooled by `bag` (mean: averaged). Threads add
    into private copies of core_grad and of the gates' sums, added up at the end. Returns 0,
    or -1 where scratch memory could not be had. */
 int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t n_hits,
@@ -254,7 +272,8 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
                           int order, const int64_t *m, const int64_t *n, const int64_t *r,
                           const REAL *const *cores, const REAL *const *raw_gates,
                           double threshold, REAL *const *core_grad, REAL *const *core_rows,
-                          REAL *gate_out) {
+                          REAL *gate_out, int64_t bag, int mean) {
+    const REAL scale = mean ? (REAL)1 / (REAL)bag : (REAL)1;  /* grad is per bag of `bag` ids */
     int64_t at[64], gate_at[64], size[64], widest = 0, full = 1, gate_total = 0;
     int64_t total = NAME(layout)(order, n, r, at);
     for (int k = 0; k < order; ++k) {
@@ -279,8 +298,10 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
     {
         if (hit_grad) {
 #pragma omp for schedule(static) nowait
-            for (int64_t j = 0; j < n_hits; ++j)
-                memcpy(hit_grad + j * width, grad + hit_pos[j] * width, width * sizeof(REAL));
+            for (int64_t j = 0; j < n_hits; ++j) {
+                const REAL *src = grad + hit_pos[j] / bag * width;
+                for (int64_t c = 0; c < width; ++c) hit_grad[j * width + c] = src[c] * scale;
+            }
         }
         int team = comera_team();
         REAL *scratch = malloc((total + 3 * widest) * sizeof(REAL));
@@ -304,7 +325,8 @@ int NAME(comera_tt_grads)(int threads, int64_t width, const REAL *grad, int64_t 
             REAL *acc = scratch, *d_out = acc + total;
             NAME(chain)(order, n, r, at, cores, gates, digit, stride, acc);
             memset(d_out, 0, full * sizeof(REAL));  /* columns past width get no gradient */
-            memcpy(d_out, grad + (miss_pos ? miss_pos[j] : j) * width, width * sizeof(REAL));
+            const REAL *src = grad + (miss_pos ? miss_pos[j] : j) / bag * width;
+            for (int64_t c = 0; c < width; ++c) d_out[c] = src[c] * scale;
             REAL *dst[64];
             for (int k = 0; k < order; ++k) {
                 int64_t slice = r[k] * n[k] * r[k + 1];

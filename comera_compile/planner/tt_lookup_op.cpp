@@ -14,19 +14,21 @@ extern "C" {
 int64_t comera_tt_forward_f32(int, int64_t, const int64_t*, int64_t, int, const int64_t*,
                               const float*, int64_t, float*, int64_t*, int, const int64_t*,
                               const int64_t*, const int64_t*, const float* const*,
-                              const float* const*, double);
+                              const float* const*, double, int64_t, int);
 int64_t comera_tt_forward_f64(int, int64_t, const int64_t*, int64_t, int, const int64_t*,
                               const double*, int64_t, double*, int64_t*, int, const int64_t*,
                               const int64_t*, const int64_t*, const double* const*,
-                              const double* const*, double);
+                              const double* const*, double, int64_t, int);
 int comera_tt_grads_f32(int, int64_t, const float*, int64_t, const int64_t*, float*, int64_t,
                         const int64_t*, const int64_t*, int64_t, int, const int64_t*,
                         const int64_t*, const int64_t*, const float* const*,
-                        const float* const*, double, float* const*, float* const*, float*);
+                        const float* const*, double, float* const*, float* const*, float*,
+                        int64_t, int);
 int comera_tt_grads_f64(int, int64_t, const double*, int64_t, const int64_t*, double*, int64_t,
                         const int64_t*, const int64_t*, int64_t, int, const int64_t*,
                         const int64_t*, const int64_t*, const double* const*,
-                        const double* const*, double, double* const*, double* const*, double*);
+                        const double* const*, double, double* const*, double* const*, double*,
+                        int64_t, int);
 }
 
 namespace {
@@ -78,22 +80,24 @@ std::vector<at::Tensor> contiguous(at::TensorList tensors) {
   return out;
 }
 
-// Inputs, in order: ids, index, cache_weight, cores..., gates..., then 6 settings.
-constexpr size_t kSettings = 6;
+// Inputs, in order: ids, index, cache_weight, cores..., gates..., then 8 settings.
+constexpr size_t kSettings = 8;
 
 struct TTLookup : public torch::autograd::Function<TTLookup> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& ids_in,
                             const at::Tensor& index, const at::Tensor& weight_in,
                             at::TensorList cores_in, at::TensorList gates_in,
                             std::vector<bool> sparse, bool cache_sparse, int64_t width,
-                            int64_t limit, double threshold, int64_t bits) {
+                            int64_t limit, double threshold, int64_t bits, int64_t bag,
+                            bool mean) {
     auto ids = ids_in.to(at::kLong).contiguous();
     auto cores = contiguous(cores_in), gates = contiguous(gates_in);
     auto weight = weight_in.numel() ? weight_in.contiguous() : at::Tensor();
     const int64_t count = ids.numel(), order = static_cast<int64_t>(cores.size());
     Shape shape(cores);
     auto work = at::empty({3 + order, count}, ids.options());
-    auto out = at::empty({count, width}, cores[0].options());
+    TORCH_CHECK(bag >= 1 && count % bag == 0, "ids (", count, ") are not bags of ", bag);
+    auto out = at::empty({count / bag, width}, cores[0].options());
     int64_t hits = 0;
     AT_DISPATCH_FLOATING_TYPES(cores[0].scalar_type(), "comera_tt_lookup", [&] {
       auto core_ptrs = pointers<scalar_t>(cores);
@@ -103,7 +107,8 @@ struct TTLookup : public torch::autograd::Function<TTLookup> {
           static_cast<int>(bits), index.numel() ? index.data_ptr<int64_t>() : nullptr,
           maybe<scalar_t>(weight), width, out.data_ptr<scalar_t>(), work.data_ptr<int64_t>(),
           static_cast<int>(order), shape.m.data(), shape.n.data(), shape.r.data(),
-          core_ptrs.data(), gates.empty() ? nullptr : gate_ptrs.data(), threshold);
+          core_ptrs.data(), gates.empty() ? nullptr : gate_ptrs.data(), threshold, bag,
+          mean ? 1 : 0);
     });
     if (hits == -1) {
       auto [low, high] = at::aminmax(ids);
@@ -121,6 +126,8 @@ struct TTLookup : public torch::autograd::Function<TTLookup> {
     ctx->saved_data["threshold"] = threshold;
     ctx->saved_data["cache_sparse"] = cache_sparse;
     ctx->saved_data["cached"] = weight.defined();
+    ctx->saved_data["bag"] = bag;
+    ctx->saved_data["mean"] = mean;
     std::vector<int64_t> flags(sparse.begin(), sparse.end());
     ctx->saved_data["sparse"] = flags;
     if (weight.defined()) {
@@ -174,7 +181,8 @@ struct TTLookup : public torch::autograd::Function<TTLookup> {
           static_cast<int>(order), shape.m.data(), shape.n.data(), shape.r.data(),
           core_ptrs.data(), gates.empty() ? nullptr : gate_ptrs.data(),
           ctx->saved_data["threshold"].toDouble(), dense_ptrs.data(), row_ptrs.data(),
-          maybe<scalar_t>(gate_grad));
+          maybe<scalar_t>(gate_grad), ctx->saved_data["bag"].toInt(),
+          ctx->saved_data["mean"].toBool() ? 1 : 0);
       TORCH_CHECK(status == 0, "the C lookup could not allocate its scratch rows");
     });
     variable_list out(3 + order + gates.size() + kSettings);
@@ -214,10 +222,10 @@ struct TTLookup : public torch::autograd::Function<TTLookup> {
 at::Tensor tt_lookup(const at::Tensor& ids, const at::Tensor& index,
                      const at::Tensor& cache_weight, at::TensorList cores, at::TensorList gates,
                      c10::List<bool> sparse, bool cache_sparse, int64_t width, int64_t limit,
-                     double threshold, int64_t bits) {
+                     double threshold, int64_t bits, int64_t bag, bool mean) {
   std::vector<bool> flags(sparse.begin(), sparse.end());
   return TTLookup::apply(ids, index, cache_weight, cores, gates, flags, cache_sparse, width,
-                         limit, threshold, bits);
+                         limit, threshold, bits, bag, mean);
 }
 
 }  // namespace
@@ -226,7 +234,7 @@ TORCH_LIBRARY(comera_native, m) {
   m.def(
       "tt_lookup(Tensor ids, Tensor index, Tensor cache_weight, Tensor[] cores, "
       "Tensor[] gates, bool[] sparse, bool cache_sparse, int width, int limit, "
-      "float threshold, int bits) -> Tensor");
+      "float threshold, int bits, int bag, bool mean) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(comera_native, CompositeImplicitAutograd, m) {
