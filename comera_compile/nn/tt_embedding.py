@@ -289,11 +289,9 @@ class TTEmbedding(TensorizedLayer):
             return rows[:, : self.embedding_dim]
         chain = self._chain()
         cores = chain.cores
-        sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
         if native_lookup.usable(ids, cores, chain.macs, None, chain.gates):  # a C call each way
-            return native_lookup.lookup(sparse, False, len(cores), self.embedding_dim,
-                                        self.num_embeddings, self.threshold, ids, None, None,
-                                        *cores, *chain.gates)
+            return self._in_c(ids, chain, cached=False)
+        sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
         gates = [hard_threshold(g, self.threshold) for g in chain.gates]
         if self.recompute_lookup and torch.is_grad_enabled():
             # one checkpoint per block of ids: backward rebuilds one block's products at once
@@ -313,11 +311,9 @@ class TTEmbedding(TensorizedLayer):
             return self._core_rows(ids).to(self.cores[0].dtype)
         chain = self._chain() if chain is None else chain
         cores, dtype, cache = chain.cores, chain.cores[0].dtype, self.cache
-        sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
         if self._native(ids, chain) if native is None else native:  # one C call each way
-            return native_lookup.lookup(sparse, cache.sparse, len(cores), self.embedding_dim,
-                                        self.num_embeddings, self.threshold, ids, cache.ids,
-                                        cache.weight, *cores, *chain.gates)
+            return self._in_c(ids, chain)
+        sparse = self.sparse_cores(cores) if torch.is_grad_enabled() else False
         slots, hits, misses = split_by_cache(cache.ids, ids)
         if self.recompute_lookup and torch.is_grad_enabled():  # the misses' rows rebuilt
             built = self._core_rows(ids.index_select(0, misses)).to(dtype)
@@ -365,7 +361,7 @@ class TTEmbedding(TensorizedLayer):
             ids, index = flat, None  # each id's own row, in order
         if native and index is None and self._plain_bags(input, offsets, per_sample_weights,
                                                          self.padding_idx):
-            return self._pooled_in_c(ids, chain, input.shape[1])
+            return self._in_c(ids, chain, bag=input.shape[1])
         table = self._rows(ids, chain, native)  # in the cores' dtype, as nn.Embedding does
         if index is None:
             if self.mode is None:
@@ -396,10 +392,11 @@ class TTEmbedding(TensorizedLayer):
                                per_sample_weights=per_sample_weights,
                                include_last_offset=self.include_last_offset, padding_idx=padding)
 
-    def _pooled_in_c(self, ids: Tensor, chain: Chain, bag: int) -> Tensor:
-        """Bags of ``bag`` ids in a row, looked up and pooled in C (the rows themselves are
-        never made, in forward or backward)."""
-        cache = self.cache
+    def _in_c(self, ids: Tensor, chain: Chain, bag: int = 1, cached: bool = True) -> Tensor:
+        """The rows of ``ids`` looked up in C (``planner.native_lookup``), from the cache too
+        where ``cached``; ``bag > 1``: runs of ``bag`` ids pooled by the bag mode there (the
+        rows themselves are never made, in forward or backward)."""
+        cache = self.cache if cached else None
         sparse = self.sparse_cores(chain.cores) if torch.is_grad_enabled() else False
         return native_lookup.lookup(
             sparse, cache is not None and cache.sparse, len(chain.cores), self.embedding_dim,
